@@ -1,0 +1,18 @@
+"""muser-ti: chapter 16's decode-attention route ladder, rebuilt with Taichi kernels.
+
+    import muser_ti as mt
+    cfg = mt.load_config("glimmer.yaml")
+    eng = mt.Engine(cfg, arch="auto", pinned="auto", graph="teacher")
+"""
+
+from . import ladder, reference
+from .config import ConfigError, Geometry, geometry_from_dict, load_config
+from .engine import Engine, EngineError, PinnedUnavailable, pinned_library_status
+from .ladder import INTERLEAVED, LLAMA_VEC_NOPE, LLAMA_VEC_SWA, ROUTES, SPLITK, RouteError
+
+__all__ = [
+    "ConfigError", "Engine", "EngineError", "Geometry", "INTERLEAVED", "LLAMA_VEC_NOPE", "LLAMA_VEC_SWA",
+    "PinnedUnavailable", "ROUTES", "RouteError", "SPLITK", "geometry_from_dict", "ladder", "load_config",
+    "pinned_library_status", "reference",
+]
+__version__ = "0.1.0"

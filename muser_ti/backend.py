@@ -1,0 +1,134 @@
+"""Choosing and starting a Taichi backend.
+
+Taichi runs one backend per process; switching re-initialises it and invalidates every array made
+before.  :func:`activate` owns that: it resolves ``"auto"``, starts Taichi once per arch, and bumps a
+generation counter that engines check so a stale engine fails loudly instead of reading freed memory.
+
+``"auto"`` picks Metal, then CUDA, then a *hardware* Vulkan device, else the CPU; it never picks a
+software Vulkan driver (lavapipe), which tests select explicitly with ``arch="vulkan"``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+from functools import lru_cache
+
+ARCHS = ("auto", "cpu", "cuda", "vulkan", "metal")
+GPU_ARCHS = ("cuda", "vulkan", "metal")
+
+_active: str | None = None
+_generation = 0
+
+
+class BackendError(RuntimeError):
+    """The requested backend is not available on this machine."""
+
+
+# ---- Vulkan device discovery (no Taichi involved, so probing never re-initialises anything) ------
+VK_DEVICE_TYPES = {0: "other", 1: "integrated-gpu", 2: "discrete-gpu", 3: "virtual-gpu", 4: "cpu"}
+
+
+class _VkInstanceCreateInfo(ctypes.Structure):
+    _fields_ = [
+        ("sType", ctypes.c_uint32),
+        ("pNext", ctypes.c_void_p),
+        ("flags", ctypes.c_uint32),
+        ("pApplicationInfo", ctypes.c_void_p),
+        ("enabledLayerCount", ctypes.c_uint32),
+        ("ppEnabledLayerNames", ctypes.c_void_p),
+        ("enabledExtensionCount", ctypes.c_uint32),
+        ("ppEnabledExtensionNames", ctypes.c_void_p),
+    ]
+
+
+@lru_cache(maxsize=1)
+def vulkan_devices() -> tuple[tuple[str, str], ...]:
+    """(name, type) of every Vulkan physical device the loader sees; () if there is no loader."""
+    path = ctypes.util.find_library("vulkan") or "libvulkan.so.1"
+    try:
+        vk = ctypes.CDLL(path)
+    except OSError:
+        return ()
+    info = _VkInstanceCreateInfo(sType=1)  # VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO
+    instance = ctypes.c_void_p()
+    if vk.vkCreateInstance(ctypes.byref(info), None, ctypes.byref(instance)) != 0:
+        return ()
+    try:
+        count = ctypes.c_uint32(0)
+        vk.vkEnumeratePhysicalDevices(instance, ctypes.byref(count), None)
+        handles = (ctypes.c_void_p * count.value)()
+        vk.vkEnumeratePhysicalDevices(instance, ctypes.byref(count), handles)
+        found = []
+        for h in handles[: count.value]:
+            props = ctypes.create_string_buffer(4096)  # VkPhysicalDeviceProperties is < 1 KiB
+            vk.vkGetPhysicalDeviceProperties(ctypes.c_void_p(h), props)
+            dev_type = int.from_bytes(props.raw[16:20], "little")
+            name = props.raw[20:276].split(b"\0", 1)[0].decode(errors="replace")
+            found.append((name, VK_DEVICE_TYPES.get(dev_type, "unknown")))
+        return tuple(found)
+    finally:
+        vk.vkDestroyInstance(instance, None)
+
+
+def has_hardware_vulkan() -> bool:
+    return any(kind != "cpu" for _, kind in vulkan_devices())
+
+
+def has_vulkan() -> bool:
+    return bool(vulkan_devices())
+
+
+def _cuda_available() -> bool:
+    return ctypes.util.find_library("cuda") is not None or os.path.exists("/usr/lib/x86_64-linux-gnu/libcuda.so.1")
+
+
+def resolve_arch(arch: str) -> str:
+    if arch not in ARCHS:
+        raise BackendError(f"arch {arch!r} is not one of {list(ARCHS)}")
+    if arch != "auto":
+        return arch
+    if platform.system() == "Darwin":
+        return "metal"
+    if _cuda_available():
+        return "cuda"
+    if has_hardware_vulkan():
+        return "vulkan"
+    return "cpu"
+
+
+def activate(arch: str = "auto") -> str:
+    """Start Taichi on ``arch`` (once per process per arch) and return the concrete arch name."""
+    global _active, _generation
+    want = resolve_arch(arch)
+    if want == _active:
+        return want
+    if want == "metal" and platform.system() != "Darwin":
+        raise BackendError("arch 'metal' needs macOS (Taichi's Metal backend); this machine runs " + platform.system())
+    if want == "vulkan" and not has_vulkan():
+        raise BackendError("arch 'vulkan': no Vulkan device found (install a driver, e.g. Mesa's lavapipe, and libvulkan1)")
+    import taichi as ti
+
+    if _active is not None:
+        ti.reset()
+    # fast_math off: the reducers' exp must be the precise one (reduce_v2's precise::exp), and the
+    # error bounds in tolerances.py assume it.
+    ti.init(arch=getattr(ti, want), fast_math=False, offline_cache=True, log_level=ti.WARN, unrolling_limit=0)
+    got = ti.lang.impl.current_cfg().arch.name
+    if got != {"cpu": "x64"}.get(want, want) and not (want == "cpu" and got in ("x64", "arm64")):
+        ti.reset()
+        _active = None
+        raise BackendError(f"arch {want!r} requested but Taichi started {got!r} (the {want} backend is unavailable here)")
+    _active = want
+    _generation += 1
+    return want
+
+
+def active() -> str | None:
+    return _active
+
+
+def generation() -> int:
+    return _generation

@@ -1,0 +1,206 @@
+"""Model attention geometry, declared in YAML and validated on load.
+
+The chapter's Muse Glimmer is ``configs/glimmer.yaml``: 32 query heads over 2 KV heads (GQA 32:2),
+head_dim 128, 52 layers in a repeating pattern of three sliding-window (SWA) layers then one
+full-context (NoPE) layer, window 2048, max_context 131072.  Every value is checked here, so a bad
+file fails with one error naming the file, the field, the value and what is allowed, never with a
+traceback from inside a kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+SWA = "swa"
+NOPE = "nope"
+LAYER_KINDS = (SWA, NOPE)
+HEAD_DIMS = (64, 128, 256)
+KV_DTYPE_BYTES = 2  # K and V are stored as f16
+
+
+class ConfigError(ValueError):
+    """A geometry file or value is invalid; the message names file, field, value and allowed range."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Immutable attention geometry of one model (all fields validated)."""
+
+    name: str
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_layers: int
+    layer_pattern: tuple[str, ...]
+    window: int
+    max_context: int
+    attention_scale: float
+    weight_stream_bytes: int
+    swa_ring_slack: int = 0
+    n_ubatch: int = 512
+    source: str = field(default="<inline>", compare=False)
+
+    # ---- derived geometry -------------------------------------------------------------------
+    @property
+    def heads_per_kv(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Kind of every layer: the pattern repeated cyclically over n_layers."""
+        p = self.layer_pattern
+        return tuple(p[i % len(p)] for i in range(self.n_layers))
+
+    @property
+    def swa_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == SWA)
+
+    @property
+    def nope_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == NOPE)
+
+    @property
+    def swa_ring_capacity(self) -> int:
+        """Default ring size: the window plus the slack that rollbacks may use."""
+        return min(self.window + self.swa_ring_slack, self.max_context)
+
+    @property
+    def kv_bytes_per_row(self) -> int:
+        """Bytes one token adds to one layer's cache: K and V for every KV head (1,024 B for Glimmer)."""
+        return self.n_kv_heads * 2 * self.head_dim * KV_DTYPE_BYTES
+
+    def visible(self, kind: str, position: int) -> int:
+        """Rows a layer of this kind attends at absolute position (the current token included)."""
+        return min(position + 1, self.window) if kind == SWA else position + 1
+
+    def with_overrides(self, **changes: Any) -> "Geometry":
+        """A new validated geometry with some fields replaced (sweeps vary geometry this way)."""
+        raw = {f: getattr(self, f) for f in _FIELDS}
+        raw.update(changes)
+        if "head_dim" in changes and "attention_scale" not in changes:
+            raw["attention_scale"] = "auto"
+        return _validate(raw, self.source + " (overridden)")
+
+
+_FIELDS = (
+    "name",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "n_layers",
+    "layer_pattern",
+    "window",
+    "max_context",
+    "attention_scale",
+    "weight_stream_bytes",
+    "swa_ring_slack",
+    "n_ubatch",
+)
+_REQUIRED = _FIELDS[:8]
+_MAX_HEADS = 1024
+_MAX_LAYERS = 4096
+_MAX_CONTEXT = 1 << 24  # int32 row arithmetic in the kernels stays far from overflow
+
+
+def _fail(source: str, field_name: str, value: Any, expected: str) -> ConfigError:
+    return ConfigError(f"{source}: field '{field_name}': got {value!r}; expected {expected}")
+
+
+def _int_field(raw: dict, source: str, name: str, lo: int, hi: int) -> int:
+    value = raw[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(source, name, value, f"an integer in [{lo}, {hi}]")
+    if not lo <= value <= hi:
+        raise _fail(source, name, value, f"an integer in [{lo}, {hi}]")
+    return value
+
+
+def _validate(raw: Any, source: str) -> Geometry:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of fields at the top level, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown field(s) {unknown}; allowed fields are {list(_FIELDS)}")
+    missing = [f for f in _REQUIRED if f not in raw]
+    if missing:
+        raise ConfigError(f"{source}: missing required field(s) {missing}")
+
+    name = raw["name"]
+    if not isinstance(name, str) or not name:
+        raise _fail(source, "name", name, "a non-empty string")
+    n_heads = _int_field(raw, source, "n_heads", 1, _MAX_HEADS)
+    n_kv_heads = _int_field(raw, source, "n_kv_heads", 1, _MAX_HEADS)
+    if n_heads % n_kv_heads:
+        raise _fail(source, "n_kv_heads", n_kv_heads, f"a divisor of n_heads={n_heads} (grouped-query attention)")
+    head_dim = raw["head_dim"]
+    if head_dim not in HEAD_DIMS or isinstance(head_dim, bool):
+        raise _fail(source, "head_dim", head_dim, f"one of {list(HEAD_DIMS)}")
+    n_layers = _int_field(raw, source, "n_layers", 1, _MAX_LAYERS)
+    pattern = raw["layer_pattern"]
+    if isinstance(pattern, str):
+        pattern = [pattern]
+    if not isinstance(pattern, (list, tuple)) or not pattern:
+        raise _fail(source, "layer_pattern", pattern, f"a non-empty list of layer kinds from {list(LAYER_KINDS)}")
+    for i, kind in enumerate(pattern):
+        if kind not in LAYER_KINDS:
+            raise _fail(source, f"layer_pattern[{i}]", kind, f"one of {list(LAYER_KINDS)}")
+    max_context = _int_field(raw, source, "max_context", 1, _MAX_CONTEXT)
+    window = _int_field(raw, source, "window", 1, max_context)
+
+    scale = raw["attention_scale"]
+    if scale == "auto":
+        scale = 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+        raise _fail(source, "attention_scale", raw["attention_scale"], "'auto' (1/sqrt(head_dim)) or a positive finite number")
+
+    weight_bytes = _int_field(raw, source, "weight_stream_bytes", 0, 1 << 50) if "weight_stream_bytes" in raw else 0
+    slack = _int_field(raw, source, "swa_ring_slack", 0, max_context) if "swa_ring_slack" in raw else 0
+    n_ubatch = _int_field(raw, source, "n_ubatch", 1, 1 << 16) if "n_ubatch" in raw else 512
+
+    return Geometry(
+        name=name,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        n_layers=n_layers,
+        layer_pattern=tuple(pattern),
+        window=window,
+        max_context=max_context,
+        attention_scale=float(scale),
+        weight_stream_bytes=weight_bytes,
+        swa_ring_slack=slack,
+        n_ubatch=n_ubatch,
+        source=source,
+    )
+
+
+def resolve_config_path(name_or_path: str | Path) -> Path:
+    """A bare file name (no directory part) resolves to configs/; anything else is a path."""
+    p = Path(name_or_path)
+    if p.parent == Path(".") and not p.exists():
+        p = CONFIG_DIR / p
+    return p
+
+
+def load_config(name_or_path: str | Path) -> Geometry:
+    """Load and validate a geometry file; a bare name like 'glimmer.yaml' resolves to configs/."""
+    path = resolve_config_path(name_or_path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file (bare names resolve to {CONFIG_DIR})")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return _validate(raw, str(path))
+
+
+def geometry_from_dict(raw: dict, source: str = "<dict>") -> Geometry:
+    """Validate a geometry given as a mapping (same rules as a file)."""
+    return _validate(dict(raw), source)

@@ -1,0 +1,380 @@
+"""The engine: encodes one decode token through the ladder (the chapter's encode_token).
+
+Per token: validate the inputs; compute every plane's state after the append (nothing is written
+yet); evaluate the ladder per layer on that state; then launch, per route, one kernel sequence for
+*all* layers on that route, so the launch count per token depends on the routes taken, not on the
+number of layers.  A rejected token (bad input, a forced route whose predicate fails, a plane that
+cannot hold its window) raises before any write: the cache is exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import taichi as ti
+
+from . import backend, ladder
+from .config import NOPE, SWA, Geometry
+from .kernels.common import BLOCK_ROWS, HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, on_gpu
+from .kernels.interleaved import build_interleaved
+from .kernels.splitk import build_splitk, splitk_geometry
+from .kernels.stores import build_stores
+from .planes import PlaneError, PlaneSet, PlaneState, ring_rows_to_write, visible_span, window_of
+from .reference import attend
+
+GRAPHS = ("teacher", "serving")
+PINNED_MODES = ("auto", "on", "off")
+LAYOUT_OF = {SWA: TOKEN_MAJOR, NOPE: HEAD_MAJOR}
+
+
+class EngineError(ValueError):
+    """Bad input at the public API; the engine's state is unchanged."""
+
+
+class PinnedUnavailable(RuntimeError):
+    """A pinned route was selected or requested but the pinned library is not loaded."""
+
+
+def pinned_library_status() -> tuple[bool, str]:
+    """(loaded, description): whether llama.cpp's vec kernel can be dispatched in this process.
+
+    The pinned rung is built by a later issue; until then nothing is ever loaded and the ladder falls
+    to the project's own kernels, as §16.0 says it does when the metallib is missing.
+    """
+    return False, "no pinned llama library in this build (the llama rung is not built yet)"
+
+
+@dataclass
+class _Group:
+    """Device-side list of the layers on one route (cached per composition)."""
+
+    layers: tuple[int, ...]
+    slots: tuple[int, ...]
+    layers_dev: object
+    slots_dev: object
+
+
+class Engine:
+    """Decode attention over a model's planes, route by route.
+
+    arch: "auto" | "cpu" | "cuda" | "vulkan" | "metal"; pinned: "auto" | "on" | "off";
+    graph: "teacher" (read wrapped rings directly) | "serving" (llama's cell order; needs the pinned rung).
+    force: a route name (for the layers of its class) or {layer: route}, for diagnosis.  A forced route
+    whose predicate fails raises RouteError at the step, before anything is written.
+    capacity: per-session override of every plane's capacity (a "deliberately tiny raw session" when < 32).
+    """
+
+    def __init__(self, cfg: Geometry, arch: str = "auto", pinned: str = "auto", graph: str = "teacher",
+                 force: str | dict | None = None, capacity: int | None = None):
+        if pinned not in PINNED_MODES:
+            raise EngineError(f"pinned={pinned!r}; expected one of {list(PINNED_MODES)}")
+        if graph not in GRAPHS:
+            raise EngineError(f"graph={graph!r}; expected one of {list(GRAPHS)}")
+        loaded, why = pinned_library_status()
+        if pinned == "on" and not loaded:
+            raise PinnedUnavailable(f"pinned='on' but the pinned library is not loaded: {why}")
+        if graph == "serving":
+            raise PinnedUnavailable(
+                "graph='serving' stages SWA rows into llama.cpp's cell order for the pinned kernel, which this "
+                "build does not have yet; use graph='teacher'")
+        if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
+            raise EngineError(f"capacity={capacity!r}; expected a positive integer")
+        self.cfg = cfg
+        self.arch = backend.activate(arch)
+        self._generation = backend.generation()
+        self.pinned_loaded = loaded and pinned != "off"
+        self.pinned_description = why
+        self.graph = graph
+        self._forced = self._parse_force(force)
+
+        g = cfg
+        self.planes: dict[str, PlaneSet] = {}
+        for kind, layers in ((SWA, g.swa_layers), (NOPE, g.nope_layers)):
+            if not layers:
+                continue
+            if kind == SWA:
+                cap = capacity if capacity is not None else g.swa_ring_capacity
+            else:
+                cap = min(capacity, g.max_context) if capacity is not None else g.max_context
+            self.planes[kind] = PlaneSet(g, kind, layers, cap)
+        self._slot = {}
+        for kind, ps in self.planes.items():
+            for i, layer in enumerate(ps.layers):
+                self._slot[layer] = i
+
+        self._k: dict[str, object] = {}
+        self._v: dict[str, object] = {}
+        for kind, ps in self.planes.items():
+            self._k[kind], self._v[kind] = self._alloc_plane(kind, ps.state.capacity)
+
+        gpu = on_gpu()
+        D, G, KV, H = g.head_dim, g.heads_per_kv, g.n_kv_heads, g.n_heads
+        self._splitk, self._reduce_f32, _ = build_splitk(D, G, KV, H, gpu)
+        self._interleaved, self._reduce_v2 = build_interleaved(D, G, KV, H, gpu)
+        self._stores = {kind: build_stores(D, KV, LAYOUT_OF[kind]) for kind in self.planes}
+        n_max = max((len(ps.layers) for ps in self.planes.values()), default=1)
+        self._partials = ti.ndarray(ti.f32, (n_max, H, MAX_WORKGROUPS, 2 + D))
+        # CPU scratch for one block of scores per work item; the GPU path keeps them in shared memory.
+        self._scores = ti.ndarray(ti.f32, (n_max * KV * MAX_WORKGROUPS if not gpu else 1, G, BLOCK_ROWS))
+        self._no_visits = ti.ndarray(ti.i32, (1, 1))
+        self._out = ti.ndarray(ti.f32, (g.n_layers, H, D))
+        self._q = ti.ndarray(ti.f32, (g.n_layers, H, D))
+        self._k_cur = ti.ndarray(ti.f32, (g.n_layers, KV, D))
+        self._v_cur = ti.ndarray(ti.f32, (g.n_layers, KV, D))
+        self._groups: dict[tuple[int, ...], _Group] = {}
+
+        self.position = 0
+        self.routes: list[str | None] = [None] * g.n_layers
+        self.route_counts: Counter = Counter()
+
+    # ---- construction helpers ------------------------------------------------------------------
+    def _parse_force(self, force) -> dict[int, str]:
+        if force is None:
+            return {}
+        if isinstance(force, str):
+            if force not in ladder.ROUTES:
+                raise ladder.RouteError(f"unknown route {force!r}; routes are {list(ladder.ROUTES)}")
+            kind = ladder.ROUTE_KIND[force]
+            return {i: force for i, k in enumerate(self.cfg.layer_kinds) if k == kind}
+        out = {}
+        for layer, route in dict(force).items():
+            if not (isinstance(layer, int) and 0 <= layer < self.cfg.n_layers):
+                raise ladder.RouteError(f"force: layer {layer!r} is not in [0, {self.cfg.n_layers})")
+            if route not in ladder.ROUTES:
+                raise ladder.RouteError(f"force: unknown route {route!r} for layer {layer}; routes are {list(ladder.ROUTES)}")
+            out[layer] = route
+        return out
+
+    def _alloc_plane(self, kind: str, capacity: int):
+        g = self.cfg
+        n = len(self.planes[kind].layers)
+        shape = (n, capacity, g.n_kv_heads, g.head_dim) if kind == SWA else (n, g.n_kv_heads, capacity, g.head_dim)
+        return ti.ndarray(ti.f16, shape), ti.ndarray(ti.f16, shape)
+
+    def _group(self, layers: tuple[int, ...]) -> _Group:
+        grp = self._groups.get(layers)
+        if grp is None:
+            slots = tuple(self._slot[layer] for layer in layers)
+            ld = ti.ndarray(ti.i32, (len(layers),))
+            sd = ti.ndarray(ti.i32, (len(layers),))
+            ld.from_numpy(np.asarray(layers, np.int32))
+            sd.from_numpy(np.asarray(slots, np.int32))
+            grp = self._groups[layers] = _Group(layers, slots, ld, sd)
+        return grp
+
+    def _check_alive(self):
+        if backend.generation() != self._generation:
+            raise EngineError("Taichi was re-initialised for another arch since this engine was made; its planes are gone")
+
+    def _check_array(self, name: str, a, shape: tuple[int, ...]) -> np.ndarray:
+        if not isinstance(a, np.ndarray):
+            raise EngineError(f"{name}: expected a numpy array, got {type(a).__name__}")
+        if a.shape != shape:
+            raise EngineError(f"{name}: shape {a.shape}, expected {shape} [layers, heads, head_dim]")
+        if a.dtype not in (np.float32, np.float64, np.float16):
+            raise EngineError(f"{name}: dtype {a.dtype}, expected float32")
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        bad = ~np.isfinite(a)
+        if bad.any():
+            idx = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise EngineError(f"{name}: non-finite value {a[idx]} at index {idx} (layer, head, d)")
+        return a
+
+    def _check_kv_range(self, name: str, a: np.ndarray):
+        big = np.abs(a) > 65504.0
+        if big.any():
+            idx = tuple(int(i) for i in np.argwhere(big)[0])
+            raise EngineError(f"{name}: value {a[idx]} at index {idx} overflows the f16 plane (|x| <= 65504)")
+
+    # ---- public API ----------------------------------------------------------------------------
+    def prefill(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Append tokens without attention; k, v: float32 [n_tokens, n_layers, n_kv_heads, head_dim]."""
+        self._check_alive()
+        g = self.cfg
+        if not isinstance(k, np.ndarray) or k.ndim != 4:
+            raise EngineError(f"prefill k: expected a 4-d numpy array [n_tokens, {g.n_layers}, {g.n_kv_heads}, {g.head_dim}]")
+        n = k.shape[0]
+        shape = (n, g.n_layers, g.n_kv_heads, g.head_dim)
+        k = self._check_array("prefill k", k, shape)
+        v = self._check_array("prefill v", v, shape)
+        self._check_kv_range("prefill k", k)
+        self._check_kv_range("prefill v", v)
+        if n == 0:
+            return
+        if self.position + n > g.max_context:
+            raise EngineError(f"prefill of {n} tokens at position {self.position} passes max_context={g.max_context}")
+        try:
+            new_states = {kind: ps.check_prefill(self.position, n) for kind, ps in self.planes.items()}
+        except PlaneError as exc:
+            raise EngineError(str(exc)) from None
+        for kind, ps in self.planes.items():
+            before = ps.state
+            self._ensure_capacity(kind, new_states[kind].capacity)
+            if kind == SWA:
+                first, rows = ring_rows_to_write(before, self.position, n)
+            else:
+                first, rows = 0, np.arange(before.len, before.len + n, dtype=np.int32)
+            grp = self._group(ps.layers)
+            rows_dev = ti.ndarray(ti.i32, (len(rows),))
+            rows_dev.from_numpy(rows)
+            self._stores[kind].store_tokens(self._host_or_dev(k), self._host_or_dev(v), self._k[kind], self._v[kind],
+                                            grp.layers_dev, grp.slots_dev, len(ps.layers), rows_dev, first, len(rows))
+            ps.state = new_states[kind]
+        self.position += n
+
+    def step(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Attend one token: q [n_layers, n_heads, head_dim], k/v [n_layers, n_kv_heads, head_dim] -> like q."""
+        self._check_alive()
+        g = self.cfg
+        q = self._check_array("q", q, (g.n_layers, g.n_heads, g.head_dim))
+        k = self._check_array("k", k, (g.n_layers, g.n_kv_heads, g.head_dim))
+        v = self._check_array("v", v, (g.n_layers, g.n_kv_heads, g.head_dim))
+        self._check_kv_range("k", k)
+        self._check_kv_range("v", v)
+        p = self.position
+        if p >= g.max_context:
+            raise EngineError(f"position {p} is past max_context={g.max_context}")
+        try:
+            new_states = {kind: ps.check_append(p) for kind, ps in self.planes.items()}
+        except PlaneError as exc:
+            raise EngineError(str(exc)) from None
+        strict = ladder.strict_attention()
+        routes = [
+            ladder.select(kind, new_states[kind], self.pinned_loaded, strict, self._forced.get(layer), layer)
+            for layer, kind in enumerate(g.layer_kinds)
+        ]
+        pinned = sorted({r for r in routes if r in ladder.PINNED_ROUTES})
+        if pinned:
+            raise PinnedUnavailable(
+                f"the ladder chose {pinned} ({ladder.STRICT_ENV} set or pinned forced) but the pinned library is not "
+                f"loaded: {self.pinned_description}")
+
+        # ---- commit: from here on the token is accepted ----
+        for kind, st in new_states.items():
+            self._ensure_capacity(kind, st.capacity)
+        self._q_dev = self._upload(self._q, q)
+        k_dev, v_dev = self._upload(self._k_cur, k), self._upload(self._v_cur, v)
+        out = np.empty_like(q) if not on_gpu() else None
+        out_dev = out if out is not None else self._out
+        by_route: dict[str, list[int]] = {}
+        for layer, r in enumerate(routes):
+            by_route.setdefault(r, []).append(layer)
+
+        if SWA in self.planes:
+            st = new_states[SWA]
+            grp = self._group(self.planes[SWA].layers)
+            # kv_store_f16: every SWA layer stores first; splitk reads the row back from the plane.
+            self._stores[SWA].store_token(k_dev, v_dev, self._k[SWA], self._v[SWA], grp.layers_dev, grp.slots_dev,
+                                          len(grp.layers), st.physical(p))
+        if ladder.SPLITK in by_route:
+            self._run_producer(self._splitk, self._reduce_f32, SWA, tuple(by_route[ladder.SPLITK]),
+                               new_states[SWA], p, k_dev, v_dev, out_dev)
+        if ladder.INTERLEAVED in by_route:
+            self._run_producer(self._interleaved, self._reduce_v2, NOPE, tuple(by_route[ladder.INTERLEAVED]),
+                               new_states[NOPE], p, k_dev, v_dev, out_dev)
+        for kind, st in new_states.items():
+            self.planes[kind].state = st
+        self.position = p + 1
+        self.routes = routes
+        self.route_counts.update(routes)
+        return out if out is not None else self._out.to_numpy()
+
+    def rewind(self, position: int) -> None:
+        """Drop every token at or after ``position`` (speculative-decoding rollback).
+
+        Refused, with the state unchanged, where a ring has already evicted rows the next token at
+        ``position`` would need (a ring only rolls back as far as its slack beyond the window).
+        """
+        self._check_alive()
+        if not isinstance(position, (int, np.integer)) or not 0 <= position <= self.position:
+            raise EngineError(f"rewind to {position!r}: expected an integer in [0, {self.position}] (the current position)")
+        position = int(position)
+        try:
+            new_states = {kind: ps.check_rewind(position, self.position) for kind, ps in self.planes.items()}
+        except PlaneError as exc:
+            raise EngineError(str(exc)) from None
+        for kind, st in new_states.items():
+            self.planes[kind].state = st
+        self.position = position
+
+    # ---- inspection ----------------------------------------------------------------------------
+    def plane_state(self, layer: int) -> PlaneState:
+        return self.planes[self.cfg.layer_kinds[layer]].state
+
+    def plane_rows(self, layer: int) -> tuple[np.ndarray, np.ndarray, PlaneState, str]:
+        """Copies of one layer's K and V planes (f16), its state and layout, for the reference and tests."""
+        kind = self.cfg.layer_kinds[layer]
+        slot = self._slot[layer]
+        k = self._k[kind].to_numpy()[slot]
+        v = self._v[kind].to_numpy()[slot]
+        return k, v, self.planes[kind].state, LAYOUT_OF[kind]
+
+    def planes_snapshot(self) -> dict[str, tuple[np.ndarray, np.ndarray, PlaneState]]:
+        """Every class's planes (all layers) and state: compare before/after a rejected call."""
+        return {kind: (self._k[kind].to_numpy(), self._v[kind].to_numpy(), ps.state) for kind, ps in self.planes.items()}
+
+    def reference(self, q: np.ndarray, k_cur: np.ndarray | None = None, v_cur: np.ndarray | None = None,
+                  routes: list[str] | None = None) -> np.ndarray:
+        """float64 reference of the last step over the engine's own planes, per layer.
+
+        Layers that took the interleaved route read the current token from k_cur/v_cur (f32), as that
+        route does; all others read it back from the f16 plane.
+        """
+        g = self.cfg
+        p = self.position - 1
+        routes = self.routes if routes is None else routes
+        snap = {kind: (self._k[kind].to_numpy(), self._v[kind].to_numpy()) for kind in self.planes}
+        out = np.empty((g.n_layers, g.n_heads, g.head_dim), np.float64)
+        for layer, kind in enumerate(g.layer_kinds):
+            kp, vp = snap[kind]
+            slot = self._slot[layer]
+            current = None
+            if routes[layer] == ladder.INTERLEAVED and k_cur is not None:
+                current = (k_cur[layer], v_cur[layer])
+            out[layer] = attend(q[layer], kp[slot], vp[slot], self.planes[kind].state, p, window_of(g, kind),
+                                g.attention_scale, LAYOUT_OF[kind], current)
+        return out
+
+    def kv_bytes_last_step(self) -> int:
+        """KV bytes the last step read: visible rows x bytes per row, summed over layers."""
+        p = self.position - 1
+        return sum(visible_span(self.cfg, kind, p)[1] for kind in self.cfg.layer_kinds) * self.cfg.kv_bytes_per_row
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _host_or_dev(self, a: np.ndarray):
+        """On the CPU a numpy array is passed to kernels zero-copy; on GPUs it is uploaded once."""
+        if not on_gpu():
+            return a
+        dev = ti.ndarray(ti.f32, a.shape)
+        dev.from_numpy(a)
+        return dev
+
+    def _upload(self, dev, a: np.ndarray):
+        if not on_gpu():
+            return a
+        dev.from_numpy(a)
+        return dev
+
+    def _ensure_capacity(self, kind: str, capacity: int) -> None:
+        ps = self.planes[kind]
+        if capacity == ps.state.capacity:
+            return
+        # Growing plane: copy the live rows into a larger allocation (amortised doubling).
+        k_new, v_new = self._alloc_plane(kind, capacity)
+        n_slots = len(ps.layers)
+        copy = self._stores[kind].copy_rows
+        copy(self._k[kind], k_new, n_slots, ps.state.len)
+        copy(self._v[kind], v_new, n_slots, ps.state.len)
+        self._k[kind], self._v[kind] = k_new, v_new
+        ps.state = ps.state.with_capacity(capacity)
+
+    def _run_producer(self, producer, reduce, kind, layers, st: PlaneState, p, k_dev, v_dev, out_dev):
+        grp = self._group(layers)
+        _, visible = visible_span(self.cfg, kind, p)
+        nwg, nsg = splitk_geometry(visible)
+        producer(self._q_dev, k_dev, v_dev, self._k[kind], self._v[kind], self._partials, self._scores, self._no_visits,
+                 grp.layers_dev, grp.slots_dev, len(layers), p, window_of(self.cfg, kind), st.capacity,
+                 st.origin_logical, st.origin_physical, nwg, nsg, self.cfg.attention_scale)
+        reduce(self._partials, out_dev, grp.layers_dev, len(layers), nwg)

@@ -1,0 +1,1 @@
+"""Taichi kernels, one module per kernel family of the chapter."""

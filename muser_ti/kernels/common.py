@@ -1,0 +1,38 @@
+"""Pieces every kernel family shares: the arch switch, layouts, constants, the kernel cache."""
+
+
+from typing import Callable
+
+import taichi as ti
+
+from .. import backend
+
+TOKEN_MAJOR = "token_major"  # SWA ring: [layer, row, kv_head, d]
+HEAD_MAJOR = "head_major"  # NoPE plane: [layer, kv_head, row, d]
+
+BLOCK_ROWS = 32  # tokens per block: the pinned kernel's read granularity (ncpsg = 32)
+MAX_WORKGROUPS = 32  # see splitk.MAX_DECODE_SPLIT_WORKGROUPS for why
+WORKGROUP_THREADS = 128  # GPU threads per workgroup on the shared-memory path
+RUNNING_MAX_INIT = -3.402823466e38  # finite: exp(M_old - M_new) is 0 on the first block, never NaN
+
+f16_plane = ti.types.ndarray(dtype=ti.f16, ndim=4)
+f32_3d = ti.types.ndarray(dtype=ti.f32, ndim=3)
+f32_4d = ti.types.ndarray(dtype=ti.f32, ndim=4)
+i32_1d = ti.types.ndarray(dtype=ti.i32, ndim=1)
+i32_2d = ti.types.ndarray(dtype=ti.i32, ndim=2)
+
+
+def on_gpu() -> bool:
+    """True on the archs that take the shared-memory path (CUDA, Vulkan, Metal)."""
+    return backend.active() in backend.GPU_ARCHS
+
+
+_cache: dict = {}
+
+
+def cached(key: tuple, build: Callable):
+    """Build a kernel set once per (Taichi generation, key): kernels close over static geometry."""
+    full = (backend.generation(),) + key
+    if full not in _cache:
+        _cache[full] = build()
+    return _cache[full]

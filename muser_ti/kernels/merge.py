@@ -1,0 +1,61 @@
+"""The reducer: merge per-workgroup [M, S, O] partials into the attention output (§16.2's merge).
+
+    gmax = max_i M_i;   S = sum_i S_i * exp(M_i - gmax);   out = (sum_i O_i * exp(M_i - gmax)) / S
+
+The divide happens once, at the end: the producers normalised nothing along the way.  exp is the
+precise one (Taichi runs with fast_math off), as reduce_v2's precise::exp demands.
+"""
+
+
+import taichi as ti
+
+from .common import MAX_WORKGROUPS, cached, f32_4d, i32_1d
+
+
+def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype):
+    D, H = head_dim, n_heads
+    W = MAX_WORKGROUPS
+
+    def build():
+        out_t = ti.types.ndarray(dtype=out_dtype, ndim=3)
+
+        @ti.func
+        def global_max(partials: ti.template(), g, h, nwg):
+            gmax = partials[g, h, 0, 0]
+            for i in range(1, nwg):
+                gmax = ti.max(gmax, partials[g, h, i, 0])
+            return gmax
+
+        @ti.kernel
+        def reduce(partials: f32_4d, out: out_t, layers: i32_1d, n_group: ti.i32, nwg: ti.i32):
+            if ti.static(not gpu):
+                for item in range(n_group * H):  # one (layer, head) per item; factors computed once
+                    g, h = item // H, item % H
+                    gmax = global_max(partials, g, h, nwg)
+                    factors = ti.Vector([0.0] * W)
+                    total = 0.0
+                    for i in range(nwg):
+                        f = ti.exp(partials[g, h, i, 0] - gmax)
+                        factors[i] = f
+                        total += partials[g, h, i, 1] * f
+                    inv = 1.0 / total if total > 0.0 else 0.0
+                    for d in range(D):
+                        acc = 0.0
+                        for i in range(nwg):
+                            acc += partials[g, h, i, 2 + d] * factors[i]
+                        out[layers[g], h, d] = ti.cast(acc * inv, out_dtype)
+            else:
+                for g, h, d in ti.ndrange(n_group, H, D):  # one thread per output element
+                    gmax = global_max(partials, g, h, nwg)
+                    total = 0.0
+                    acc = 0.0
+                    for i in range(nwg):
+                        f = ti.exp(partials[g, h, i, 0] - gmax)
+                        total += partials[g, h, i, 1] * f
+                        acc += partials[g, h, i, 2 + d] * f
+                    value = acc / total if total > 0.0 else 0.0
+                    out[layers[g], h, d] = ti.cast(value, out_dtype)
+
+        return reduce
+
+    return cached(("reduce", D, H, gpu, str(out_dtype)), build)

@@ -1,0 +1,46 @@
+"""Muser's splitk producer + reducer: the SWA route whenever the pinned vec path is not eligible (§16.5.1).
+
+Token-major ring, addressed through explicit origins; the current token was stored first and is read
+back from the f16 plane like every other row (no bypass on this rung).
+"""
+
+
+import taichi as ti
+
+from .common import BLOCK_ROWS, MAX_WORKGROUPS, TOKEN_MAJOR, cached
+from .merge import build_reduce
+from .producer import build_producer
+
+# llama.cpp's Metal flash_attn_ext_vec always launches nwg = 32 and only grows simdgroups (1 -> 4) once
+# 2*nwg*nsg*32 < visible.  Ferrite's occupancy-first cap of 96 oversubscribed the 13 NoPE planes: the
+# "depth-rent" the chapter names.  Keep short-context nwg = min(blocks, 32) so short sessions do not
+# pay empty workgroups.  (On a 132-SM GPU, 32 workgroups x 2 KV heads fill only part of the card at depth;
+# docs/PERF.md measures what this cap costs.)
+MAX_DECODE_SPLIT_WORKGROUPS = MAX_WORKGROUPS
+MAX_SIMDGROUPS = 4
+
+
+def splitk_geometry(visible: int) -> tuple[int, int]:
+    """(n_workgroups, n_simdgroups) for ``visible`` rows: the chapter's rule, pinned by a test."""
+    if visible < 1:
+        raise ValueError(f"visible must be >= 1, got {visible}")
+    blocks = (visible + BLOCK_ROWS - 1) // BLOCK_ROWS
+    nwg = min(blocks, MAX_DECODE_SPLIT_WORKGROUPS)
+    nsg = 1
+    while 2 * nwg * nsg * BLOCK_ROWS < visible and nsg < MAX_SIMDGROUPS:
+        nsg *= 2
+    return nwg, nsg
+
+
+def block_owner(block: int, nwg: int, nsg: int) -> tuple[int, int]:
+    """(workgroup, simdgroup) owning a block: block = (k*nwg + workgroup)*nsg + simdgroup."""
+    return (block // nsg) % nwg, block % nsg
+
+
+def build_splitk(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int, gpu: bool, record: bool = False):
+    """(producer, reduce_f32, reduce_f16) for the token-major ring."""
+    producer = cached(
+        ("splitk", head_dim, heads_per_kv, n_kv, gpu, record),
+        lambda: build_producer(head_dim, heads_per_kv, n_kv, gpu, TOKEN_MAJOR, bypass=False, record=record),
+    )
+    return producer, build_reduce(head_dim, n_heads, gpu, ti.f32), build_reduce(head_dim, n_heads, gpu, ti.f16)

@@ -1,0 +1,93 @@
+"""The route ladder (chapter §16.0): which kernel reads the cache, per layer, per token.
+
+The predicates are the chapter's, clause for clause, evaluated on the plane *after* the append:
+
+    llama_vec_rows = (strict_attention || has_llama_flash_attn_vec())
+        && plane.len > 0
+        && plane.capacity >= 32            // the vec kernel reads KV in 32-row blocks
+        && (plane.origin_physical == 0 || plane.len == plane.capacity)   // contiguous span
+    llama_swa = llama_vec_rows && plane.len % 32 == 0   // token-major rows cannot be padded
+
+    SWA  -> llama_vec_swa  if llama_swa       else splitk
+    NoPE -> llama_vec_nope if llama_vec_rows  else interleaved
+"""
+
+from __future__ import annotations
+
+import os
+
+from .config import NOPE, SWA
+from .planes import PlaneState
+
+STRICT_ENV = "MUSER_CROSS_VENDOR_QK"
+VEC_BLOCK_ROWS = 32  # the pinned vec kernel's KV read granularity (ncpsg = 32)
+
+LLAMA_VEC_SWA = "llama_vec_swa"
+SPLITK = "splitk"
+LLAMA_VEC_NOPE = "llama_vec_nope"
+INTERLEAVED = "interleaved"
+ROUTES = (LLAMA_VEC_SWA, SPLITK, LLAMA_VEC_NOPE, INTERLEAVED)
+ROUTE_KIND = {LLAMA_VEC_SWA: SWA, SPLITK: SWA, LLAMA_VEC_NOPE: NOPE, INTERLEAVED: NOPE}
+PINNED_ROUTES = (LLAMA_VEC_SWA, LLAMA_VEC_NOPE)
+
+
+class RouteError(ValueError):
+    """A route was forced whose predicate fails, or forced onto the wrong layer class."""
+
+
+def strict_attention() -> bool:
+    """The cross-vendor switch: set (to anything) makes the vec clause ignore the library check."""
+    return os.environ.get(STRICT_ENV) is not None
+
+
+def llama_vec_rows(plane: PlaneState, pinned_loaded: bool, strict: bool) -> bool:
+    return (
+        (strict or pinned_loaded)
+        and plane.len > 0
+        # The pinned vec kernel rounds KV reads to a 32-row block; a deliberately tiny session
+        # with a smaller allocation would be read past its end ("poison the full distribution with NaNs").
+        and plane.capacity >= VEC_BLOCK_ROWS
+        # Contiguous span: unwrapped, or a full ring (every slot in-window; softmax is permutation-invariant).
+        and (plane.origin_physical == 0 or plane.len == plane.capacity)
+    )
+
+
+def llama_swa(plane: PlaneState, pinned_loaded: bool, strict: bool) -> bool:
+    # Token-major rows are a full token (nb11 = n_kv*head_dim halves), so llama's pad kernel cannot
+    # patch a ragged last block: take the vec path only when it never pads.
+    return llama_vec_rows(plane, pinned_loaded, strict) and plane.len % VEC_BLOCK_ROWS == 0
+
+
+def choose_route(kind: str, plane: PlaneState, pinned_loaded: bool, strict: bool) -> str:
+    if kind == SWA:
+        return LLAMA_VEC_SWA if llama_swa(plane, pinned_loaded, strict) else SPLITK
+    return LLAMA_VEC_NOPE if llama_vec_rows(plane, pinned_loaded, strict) else INTERLEAVED
+
+
+def route_allowed(route: str, kind: str, plane: PlaneState, pinned_loaded: bool, strict: bool) -> bool:
+    """May ``route`` run on a layer of ``kind`` with this plane?  The fallbacks always may on their
+    own class (they address any plane state); the vec routes only where their predicate holds."""
+    if ROUTE_KIND[route] != kind:
+        return False
+    if route == LLAMA_VEC_SWA:
+        return llama_swa(plane, pinned_loaded, strict)
+    if route == LLAMA_VEC_NOPE:
+        return llama_vec_rows(plane, pinned_loaded, strict)
+    return True
+
+
+def select(kind: str, plane: PlaneState, pinned_loaded: bool, strict: bool, forced: str | None, layer: int) -> str:
+    """The route for one layer this token: the ladder's choice, or a forced route if its predicate holds."""
+    if forced is None:
+        return choose_route(kind, plane, pinned_loaded, strict)
+    if forced not in ROUTES:
+        raise RouteError(f"unknown route {forced!r}; routes are {list(ROUTES)}")
+    if ROUTE_KIND[forced] != kind:
+        raise RouteError(f"route {forced!r} serves {ROUTE_KIND[forced]} layers; layer {layer} is {kind}")
+    if not route_allowed(forced, kind, plane, pinned_loaded, strict):
+        raise RouteError(
+            f"route {forced!r} forced on layer {layer} but its predicate fails: pinned library loaded="
+            f"{pinned_loaded}, {STRICT_ENV}={'set' if strict else 'unset'}, plane len={plane.len}, "
+            f"capacity={plane.capacity}, origin_physical={plane.origin_physical}"
+        )
+    return forced

@@ -1,0 +1,199 @@
+"""The KV planes and their explicit origins (the chapter's Ch 15 arithmetic).
+
+Two plane shapes, one addressing rule:
+
+* SWA layers keep a **token-major ring**: one row per token holding every KV head
+  (row stride n_kv_heads*head_dim halves, 256 for Glimmer).  Storage ``[layer, row, kv_head, d]``.
+* NoPE layers keep a **head-major growing plane**: one row per (KV head, token), row stride head_dim.
+  Storage ``[layer, kv_head, row, d]``.  It grows on demand (doubling, never past its cap) and never wraps.
+
+Every plane carries ``len, capacity, origin_logical, origin_physical`` and a logical token maps to
+``physical = (origin_physical + logical - origin_logical) % capacity``.  ``origin_logical`` is always
+the oldest token the plane still holds.  All layers of one class append on every token and rewind
+together, so one :class:`PlaneState` describes every plane of the class; the ladder still evaluates
+its predicates per layer against that layer's plane.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .config import NOPE, SWA, Geometry
+
+NOPE_INITIAL_ROWS = 64  # first allocation of a growing plane (>= 32, so a normal session is vec-eligible)
+
+
+class PlaneError(ValueError):
+    """A plane cannot do what was asked (hold a window, rewind that far, grow past its cap)."""
+
+
+@dataclass(frozen=True)
+class PlaneState:
+    """Occupancy and origins of a plane; immutable so a rejected step changes nothing."""
+
+    len: int
+    capacity: int
+    origin_logical: int = 0
+    origin_physical: int = 0
+
+    def physical(self, logical: int) -> int:
+        return (self.origin_physical + logical - self.origin_logical) % self.capacity
+
+    @property
+    def first_held(self) -> int:
+        """Oldest logical token held (== origin_logical)."""
+        return self.origin_logical
+
+    @property
+    def is_wrapped(self) -> bool:
+        return self.origin_physical != 0
+
+    @property
+    def is_partially_wrapped(self) -> bool:
+        """Rows are not one contiguous span: the state the vec route's contiguity clause excludes."""
+        return self.origin_physical != 0 and self.len != self.capacity
+
+    def after_append(self, position: int) -> "PlaneState":
+        """State once the token at ``position`` (== origin_logical + len) is written."""
+        if self.len < self.capacity:
+            return replace(self, len=self.len + 1)
+        # Full: the new token takes the oldest token's slot and the origin moves past it.
+        return replace(
+            self,
+            origin_logical=self.origin_logical + 1,
+            origin_physical=(self.origin_physical + 1) % self.capacity,
+        )
+
+    def after_rewind(self, drop: int) -> "PlaneState":
+        """State once the newest ``drop`` tokens are forgotten (origins stay: rows do not move)."""
+        return replace(self, len=self.len - drop)
+
+    def with_capacity(self, capacity: int) -> "PlaneState":
+        """Same tokens in a larger allocation; only legal for an unwrapped plane (rows keep their index)."""
+        assert self.origin_physical == 0 and capacity >= self.len
+        return replace(self, capacity=capacity)
+
+
+def window_of(geom: Geometry, kind: str) -> int:
+    """Window as the kernels take it: 0 means full context (NoPE)."""
+    return geom.window if kind == SWA else 0
+
+
+def visible_span(geom: Geometry, kind: str, position: int) -> tuple[int, int]:
+    """(logical_start, visible) of a layer at absolute position: the chapter's §16.4 lines."""
+    visible = geom.visible(kind, position)
+    return position + 1 - visible, visible
+
+
+class PlaneSet:
+    """Host-side bookkeeping for all planes of one layer class; the device arrays live in the engine.
+
+    ``cap`` is the most rows the plane may ever hold: the ring size for SWA (fixed), the growth limit
+    for NoPE.
+    """
+
+    def __init__(self, geom: Geometry, kind: str, layers: tuple[int, ...], cap: int):
+        if cap < 1:
+            raise PlaneError(f"{kind} plane capacity must be >= 1, got {cap}")
+        self.geom = geom
+        self.kind = kind
+        self.layers = layers
+        self.cap = cap
+        initial = cap if kind == SWA else min(cap, NOPE_INITIAL_ROWS)
+        self.state = PlaneState(len=0, capacity=initial)
+
+    @property
+    def window(self) -> int:
+        return window_of(self.geom, self.kind)
+
+    # -- checks made before anything is written --------------------------------------------------
+    def check_append(self, position: int) -> PlaneState:
+        """The state after appending ``position``, or PlaneError if the plane cannot hold its window."""
+        st = self.state
+        if st.len and st.origin_logical + st.len != position:
+            raise PlaneError(f"{self.kind} plane holds tokens up to {st.origin_logical + st.len - 1}, cannot append {position}")
+        if self.kind == NOPE and st.len + 1 > self.cap:
+            raise PlaneError(
+                f"NoPE plane is at its capacity of {self.cap} rows (max_context or the session's capacity); "
+                f"cannot append token {position}"
+            )
+        if self.kind == NOPE and st.len + 1 > st.capacity:
+            st = st.with_capacity(self.grown_capacity(st.len + 1))
+        new = st.after_append(position)
+        logical_start, visible = visible_span(self.geom, self.kind, position)
+        if new.origin_logical > logical_start:
+            raise PlaneError(
+                f"{self.kind} ring of capacity {new.capacity} cannot hold the window of {visible} rows at "
+                f"position {position} (window {self.geom.window}); give the session a capacity >= the window"
+            )
+        return new
+
+    def grown_capacity(self, needed: int) -> int:
+        """Amortised doubling, capped: the next allocation of a growing plane."""
+        cap = max(self.state.capacity, 1)
+        while cap < needed:
+            cap *= 2
+        return min(cap, self.cap)
+
+    def check_rewind(self, position: int, current: int) -> PlaneState:
+        """State after dropping tokens >= position, or PlaneError if the plane no longer holds what the
+        next token at ``position`` would need to see."""
+        drop = current - position
+        st = self.state
+        logical_start, visible = visible_span(self.geom, self.kind, position)
+        if position < st.origin_logical or st.origin_logical > logical_start:
+            raise PlaneError(
+                f"cannot rewind to {position}: the {self.kind} plane of capacity {st.capacity} no longer holds "
+                f"token {logical_start} (oldest held is {st.origin_logical}); a ring only rolls back as far as "
+                f"its slack beyond the window ({st.capacity - self.geom.window if self.kind == SWA else 0} rows) allows"
+            )
+        return st.after_rewind(drop)
+
+    def check_prefill(self, position: int, n_tokens: int) -> PlaneState:
+        """State after appending n_tokens starting at position (same checks as n appends)."""
+        st = self.state
+        if self.kind == NOPE:
+            if st.len + n_tokens > self.cap:
+                raise PlaneError(
+                    f"NoPE plane would exceed its capacity of {self.cap} rows with {n_tokens} more tokens at position {position}"
+                )
+            if st.len + n_tokens > st.capacity:
+                st = st.with_capacity(self.grown_capacity(st.len + n_tokens))
+            return replace(st, len=st.len + n_tokens)
+        # Ring: the closed form of n appends.
+        end = position + n_tokens  # next position after the prefill
+        total = st.len + n_tokens
+        if total <= st.capacity:
+            new = replace(st, len=total)
+        else:
+            evicted = total - st.capacity
+            new = replace(
+                st,
+                len=st.capacity,
+                origin_logical=st.origin_logical + evicted,
+                origin_physical=(st.origin_physical + evicted) % st.capacity,
+            )
+        last = end - 1
+        logical_start, visible = visible_span(self.geom, self.kind, last)
+        if new.origin_logical > logical_start:
+            raise PlaneError(
+                f"{self.kind} ring of capacity {new.capacity} cannot hold the window of {visible} rows at position {last}"
+            )
+        return new
+
+
+def ring_rows_to_write(state_before: PlaneState, position: int, n_tokens: int) -> tuple[int, np.ndarray]:
+    """For a prefill into a ring: (index of the first token worth writing, its physical rows).
+
+    Only the last ``capacity`` tokens survive, so only they are written: parallel writes of two tokens
+    to one slot would race.
+    """
+    keep = min(n_tokens, state_before.capacity)
+    first = n_tokens - keep
+    logicals = np.arange(position + first, position + n_tokens, dtype=np.int64)
+    # Where each of them lands once the ring has taken all n tokens: the same slot arithmetic as appends.
+    base_slot = state_before.physical(position) if state_before.capacity else 0
+    rows = (base_slot + (logicals - position)) % state_before.capacity
+    return first, rows.astype(np.int32)
