@@ -117,7 +117,9 @@ class Engine:
         n_max = max((len(ps.layers) for ps in self.planes.values()), default=1)
         self._partials = ti.ndarray(ti.f32, (n_max, H, MAX_WORKGROUPS, 2 + D))
         # CPU scratch for one block of scores per work item; the GPU path keeps them in shared memory.
-        self._scores = ti.ndarray(ti.f32, (n_max * KV * MAX_WORKGROUPS if not gpu else 1, G, BLOCK_ROWS))
+        n_items = n_max * KV * MAX_WORKGROUPS if not gpu else 1
+        self._scores = ti.ndarray(ti.f32, (n_items, G, BLOCK_ROWS))
+        self._row_buf = ti.ndarray(ti.f32, (n_items, D))
         self._no_visits = ti.ndarray(ti.i32, (1, 1))
         self._out = ti.ndarray(ti.f32, (g.n_layers, H, D))
         self._q = ti.ndarray(ti.f32, (g.n_layers, H, D))
@@ -126,6 +128,7 @@ class Engine:
         self._groups: dict[tuple[int, ...], _Group] = {}
 
         self.position = 0
+        self.launches_last_step = 0  # kernel launches the last step made (does not grow with layer count)
         self.routes: list[str | None] = [None] * g.n_layers
         self.route_counts: Counter = Counter()
 
@@ -252,6 +255,7 @@ class Engine:
                 f"loaded: {self.pinned_description}")
 
         # ---- commit: from here on the token is accepted ----
+        self.launches_last_step = 0
         for kind, st in new_states.items():
             self._ensure_capacity(kind, st.capacity)
         self._q_dev = self._upload(self._q, q)
@@ -266,7 +270,7 @@ class Engine:
             st = new_states[SWA]
             grp = self._group(self.planes[SWA].layers)
             # kv_store_f16: every SWA layer stores first; splitk reads the row back from the plane.
-            self._stores[SWA].store_token(k_dev, v_dev, self._k[SWA], self._v[SWA], grp.layers_dev, grp.slots_dev,
+            self._launch(self._stores[SWA].store_token, k_dev, v_dev, self._k[SWA], self._v[SWA], grp.layers_dev, grp.slots_dev,
                                           len(grp.layers), st.physical(p))
         if ladder.SPLITK in by_route:
             self._run_producer(self._splitk, self._reduce_f32, SWA, tuple(by_route[ladder.SPLITK]),
@@ -374,7 +378,11 @@ class Engine:
         grp = self._group(layers)
         _, visible = visible_span(self.cfg, kind, p)
         nwg, nsg = splitk_geometry(visible)
-        producer(self._q_dev, k_dev, v_dev, self._k[kind], self._v[kind], self._partials, self._scores, self._no_visits,
+        self._launch(producer, self._q_dev, k_dev, v_dev, self._k[kind], self._v[kind], self._partials, self._scores, self._row_buf, self._no_visits,
                  grp.layers_dev, grp.slots_dev, len(layers), p, window_of(self.cfg, kind), st.capacity,
                  st.origin_logical, st.origin_physical, nwg, nsg, self.cfg.attention_scale)
-        reduce(self._partials, out_dev, grp.layers_dev, len(layers), nwg)
+        self._launch(reduce, self._partials, out_dev, grp.layers_dev, len(layers), nwg)
+
+    def _launch(self, kernel, *args):
+        self.launches_last_step += 1
+        kernel(*args)

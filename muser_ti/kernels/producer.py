@@ -35,8 +35,10 @@ from .common import (
     f32_4d,
     i32_1d,
     i32_2d,
+    f32_2d,
 )
 
+VISIT_OWNER = 64  # record mode adds 1 + 64*workgroup per visit: count = v % 64, owner = v // 64 (one visit)
 Q_SHARED_LIMIT_FLOATS = 4096  # stage Q in shared memory only up to 16 KiB (Metal allows 32 KiB in all)
 
 
@@ -45,7 +47,7 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
 
     layout: TOKEN_MAJOR (ring, addressed through origins) or HEAD_MAJOR (growing plane).
     bypass: the current token is read from k_cur/v_cur (f32) and stored into the plane by workgroup 0.
-    record: count block visits per (group layer, block) into ``visits`` (ownership tests).
+    record: add 1 + VISIT_OWNER*workgroup to ``visits[layer, block]`` per visit (ownership tests).
     """
     D, G, KV = head_dim, heads_per_kv, n_kv
     C = BLOCK_ROWS
@@ -102,7 +104,7 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
     @ti.kernel
     def producer(
         q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, k_plane: f16_plane, v_plane: f16_plane,
-        partials: f32_4d, scores: f32_3d, visits: i32_2d,
+        partials: f32_4d, scores: f32_3d, row_buf: f32_2d, visits: i32_2d,
         layers: i32_1d, slots: i32_1d, n_group: ti.i32,
         position: ti.i32, window: ti.i32, capacity: ti.i32, origin_logical: ti.i32, origin_physical: ti.i32,
         nwg: ti.i32, nsg: ti.i32, scale: ti.f32,
@@ -126,29 +128,29 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
                             fused_store(k_cur, v_cur, k_plane, v_plane, layer, slot, kvh, row, d)
                 m = ti.Vector([RUNNING_MAX_INIT] * G)
                 s = ti.Vector([0.0] * G)
-                for h in ti.static(range(G)):
+                for h in range(G):
                     for d in range(D):
                         partials[g, kvh * G + h, wg, 2 + d] = 0.0
                 block = wg * nsg
                 chunk_pos = 0
                 while block < n_blocks:
                     if ti.static(record):
-                        ti.atomic_add(visits[g, block], 1)
+                        ti.atomic_add(visits[g, block], 1 + VISIT_OWNER * wg)
                     first = block * C
                     count = ti.min(C, visible - first)
                     # scores of the block for all sibling heads; each K row converted once
                     for r in range(count):
                         logical = logical_start + first + r
                         phys = physical_of(logical, capacity, origin_logical, origin_physical)
-                        kf = ti.Vector([row_value(k_plane, k_cur, layer, slot, kvh, logical, phys, position, d)
-                                        for d in ti.static(range(D))])
-                        for h in ti.static(range(G)):
+                        for d in range(D):
+                            row_buf[item, d] = row_value(k_plane, k_cur, layer, slot, kvh, logical, phys, position, d)
+                        for h in range(G):
                             dot = 0.0
-                            for d in ti.static(range(D)):
-                                dot += q[layer, kvh * G + h, d] * kf[d]
+                            for d in range(D):
+                                dot += q[layer, kvh * G + h, d] * row_buf[item, d]
                             scores[item, h, r] = dot * scale
                     # online softmax per block: block max, rescale, weights
-                    for h in ti.static(range(G)):
+                    for h in range(G):
                         block_max = scores[item, h, 0]
                         for r in range(1, count):
                             block_max = ti.max(block_max, scores[item, h, r])
@@ -166,13 +168,13 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
                     for r in range(count):
                         logical = logical_start + first + r
                         phys = physical_of(logical, capacity, origin_logical, origin_physical)
-                        vf = ti.Vector([row_value(v_plane, v_cur, layer, slot, kvh, logical, phys, position, d)
-                                        for d in ti.static(range(D))])
-                        for h in ti.static(range(G)):
+                        for d in range(D):
+                            row_buf[item, d] = row_value(v_plane, v_cur, layer, slot, kvh, logical, phys, position, d)
+                        for h in range(G):
                             w = scores[item, h, r]
-                            for d in ti.static(range(D)):
+                            for d in range(D):
                                 # plain assignment, not +=: += on an ndarray is an atomic add
-                                partials[g, kvh * G + h, wg, 2 + d] = partials[g, kvh * G + h, wg, 2 + d] + w * vf[d]
+                                partials[g, kvh * G + h, wg, 2 + d] = partials[g, kvh * G + h, wg, 2 + d] + w * row_buf[item, d]
                     block, chunk_pos = next_owned(block, chunk_pos, nwg, nsg)
                 for h in ti.static(range(G)):
                     partials[g, kvh * G + h, wg, 0] = m[h]
@@ -221,7 +223,7 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
                 while block < n_blocks:  # uniform across the workgroup: barriers inside are safe
                     if ti.static(record):
                         if tid == 0:
-                            ti.atomic_add(visits[g, block], 1)
+                            ti.atomic_add(visits[g, block], 1 + VISIT_OWNER * wg)
                     first = block * C
                     count = ti.min(C, visible - first)
                     # K tile -> shared (consecutive threads read consecutive halves of a row)

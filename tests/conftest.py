@@ -1,0 +1,31 @@
+"""Test backends: every engine test runs once per arch in --arch (default: cpu and vulkan).
+
+Vulkan runs on Mesa's software driver lavapipe in CI; where no Vulkan device exists the Vulkan
+tests are skipped with that reason, never silently dropped.
+"""
+
+import pytest
+
+from muser_ti import backend
+
+
+def pytest_addoption(parser):
+    parser.addoption("--arch", action="append", default=None,
+                     help="backend(s) for engine tests: cpu, vulkan, cuda, metal (repeatable; default cpu + vulkan)")
+
+
+def pytest_generate_tests(metafunc):
+    if "arch" in metafunc.fixturenames:
+        archs = metafunc.config.getoption("arch") or ["cpu", "vulkan"]
+        metafunc.parametrize("arch", archs, indirect=True, scope="session")
+
+
+@pytest.fixture(scope="session")
+def arch(request):
+    """Start Taichi on the arch once; pytest groups the tests by arch so it switches only once."""
+    name = request.param
+    try:
+        backend.activate(name)
+    except backend.BackendError as exc:
+        pytest.skip(f"{name} backend unavailable on this machine: {exc}")
+    return name

@@ -1,0 +1,88 @@
+"""Shared test drivers: small geometries, token distributions, and a checked decode session."""
+
+import numpy as np
+
+import muser_ti as mt
+from muser_ti import ladder
+from muser_ti.reference import relative_error
+from muser_ti.tolerances import F32_ROUTE_RTOL
+
+
+def geometry(n_heads=8, n_kv_heads=2, head_dim=64, window=64, n_layers=4, pattern=("swa", "swa", "swa", "nope"),
+             max_context=4096, slack=0, name="test"):
+    return mt.geometry_from_dict(dict(
+        name=name, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, n_layers=n_layers,
+        layer_pattern=list(pattern), window=window, max_context=max_context, attention_scale="auto",
+        swa_ring_slack=slack))
+
+
+# Geometries the route tests sweep: Glimmer's own group shape (16 query heads per KV head, d 128),
+# a small d 64 one, and d 256 with multi-head (1:1) attention.
+GEOMETRIES = {
+    "gqa16-d128": dict(n_heads=32, n_kv_heads=2, head_dim=128),
+    "gqa4-d64": dict(n_heads=8, n_kv_heads=2, head_dim=64),
+    "mha-d256": dict(n_heads=2, n_kv_heads=2, head_dim=256),
+}
+
+DISTRIBUTIONS = ("normal", "peaked", "sink", "large")
+
+
+class Session:
+    """Drives an engine with seeded synthetic tokens and checks every step against the reference."""
+
+    def __init__(self, engine: mt.Engine, seed=0, dist="normal"):
+        self.eng = engine
+        self.cfg = engine.cfg
+        self.rng = np.random.default_rng(seed)
+        self.dist = dist
+        self.worst = 0.0
+        self.history_k = []  # f32 k per position, to aim peaked queries at a past key
+
+    def token(self):
+        c, rng = self.cfg, self.rng
+        L, H, KV, D = c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim
+        k = rng.standard_normal((L, KV, D)).astype(np.float32)
+        v = rng.standard_normal((L, KV, D)).astype(np.float32)
+        q = rng.standard_normal((L, H, D)).astype(np.float32)
+        p = self.eng.position
+        if self.dist == "large":  # K and V near the f16 range, Q small so scores stay finite and modest
+            k *= 8000.0
+            v *= 16000.0
+            np.clip(k, -65000, 65000, out=k)
+            np.clip(v, -65000, 65000, out=v)
+            q *= 1e-3
+        elif self.dist in ("peaked", "sink") and self.history_k:
+            # one key dominates: aim every head at a visible past token (the oldest for "sink")
+            target = 0 if self.dist == "sink" else int(rng.integers(0, len(self.history_k)))
+            lo = max(0, p + 1 - c.window)  # inside every layer's window
+            target = max(target, lo)
+            kt = self.history_k[target]
+            heads_kv = np.arange(H) // c.heads_per_kv
+            q = (3.0 * kt[:, heads_kv, :] + 0.1 * q).astype(np.float32)
+        return q, k, v
+
+    def step(self, check=True):
+        q, k, v = self.token()
+        out = self.eng.step(q, k, v)
+        self.history_k.append(k)
+        if check:
+            err = relative_error(out, self.eng.reference(q, k, v))
+            self.worst = max(self.worst, err)
+            assert err <= F32_ROUTE_RTOL, (
+                f"position {self.eng.position - 1}: rel error {err:.3g} > {F32_ROUTE_RTOL} on routes {set(self.eng.routes)}")
+        return out
+
+    def prefill(self, n):
+        c = self.cfg
+        k = self.rng.standard_normal((n, c.n_layers, c.n_kv_heads, c.head_dim)).astype(np.float32)
+        v = self.rng.standard_normal((n, c.n_layers, c.n_kv_heads, c.head_dim)).astype(np.float32)
+        self.eng.prefill(k, v)
+        self.history_k.extend(k)
+
+    def rewind(self, position):
+        self.eng.rewind(position)
+        del self.history_k[position:]
+
+
+def own_routes_only(engine):
+    return set(engine.routes) <= {ladder.SPLITK, ladder.INTERLEAVED}

@@ -1,0 +1,149 @@
+"""Each own route against the float64 reference in every plane state the chapter names.
+
+Every step of every scenario is checked (Session.step asserts the bound); each scenario also
+asserts that it really reached the plane state it is named after.
+"""
+
+import numpy as np
+import pytest
+
+import muser_ti as mt
+from muser_ti import EngineError
+from sessions import DISTRIBUTIONS, GEOMETRIES, Session, geometry, own_routes_only
+
+
+def swa_state(s):
+    return s.eng.planes["swa"].state
+
+
+def nope_state(s):
+    return s.eng.planes["nope"].state
+
+
+def scenario_visible_1_and_before_wrap(s):
+    s.step()  # position 0: visible = 1 on every layer
+    assert s.eng.kv_bytes_last_step() == s.cfg.n_layers * s.cfg.kv_bytes_per_row
+    for _ in range(40):  # len passes 32 and stays short of the 64-row window
+        s.step()
+    st = swa_state(s)
+    assert st.origin_physical == 0 and st.len == 41 < st.capacity
+
+
+def scenario_exactly_full(s):
+    s.prefill(62)
+    s.step()
+    s.step()  # position 63: len == capacity == window, origin still 0
+    st = swa_state(s)
+    assert st.len == st.capacity == 64 and st.origin_physical == 0
+
+
+def scenario_wrapped_and_full(s):
+    s.prefill(100)
+    for _ in range(40):
+        s.step()
+    st = swa_state(s)
+    assert st.len == st.capacity and st.origin_physical != 0
+
+
+def scenario_partially_wrapped_slack(s):
+    # ring of 64 + 16 slack: full and wrapped, then a rollback of 8 leaves it partially wrapped
+    s.prefill(100)
+    s.step()
+    s.rewind(s.eng.position - 8)
+    s.step()
+    st = swa_state(s)
+    assert st.origin_physical != 0 and st.len < st.capacity, st
+    for _ in range(12):  # through the refill back to full
+        s.step()
+    assert swa_state(s).len == swa_state(s).capacity
+
+
+def scenario_rewind_without_slack(s):
+    # a ring with capacity == window can roll back exactly one token (the new one takes its slot)
+    s.prefill(100)
+    s.step()
+    before = s.eng.planes_snapshot()
+    with pytest.raises(EngineError, match="cannot rewind"):
+        s.eng.rewind(s.eng.position - 2)
+    after = s.eng.planes_snapshot()
+    for kind in before:
+        assert before[kind][2] == after[kind][2]
+        np.testing.assert_array_equal(before[kind][0], after[kind][0])
+        np.testing.assert_array_equal(before[kind][1], after[kind][1])
+    s.rewind(s.eng.position - 1)
+    assert swa_state(s).len == swa_state(s).capacity - 1 and swa_state(s).origin_physical != 0
+    s.step()
+    s.step()
+
+
+def scenario_nope_growth(s):
+    s.prefill(60)
+    for _ in range(10):  # the head-major plane grows 64 -> 128 mid-stream
+        s.step()
+    assert nope_state(s).capacity == 128 and nope_state(s).len == 70
+
+
+SCENARIOS = {
+    "visible1-before-wrap": (scenario_visible_1_and_before_wrap, {}),
+    "exactly-full": (scenario_exactly_full, {}),
+    "wrapped-full": (scenario_wrapped_and_full, {}),
+    "partially-wrapped-slack": (scenario_partially_wrapped_slack, dict(slack=16)),
+    "rewind-no-slack": (scenario_rewind_without_slack, {}),
+    "nope-growth": (scenario_nope_growth, {}),
+}
+
+
+@pytest.mark.parametrize("geom", list(GEOMETRIES))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_own_routes_match_reference(arch, geom, scenario):
+    run, extra = SCENARIOS[scenario]
+    cfg = geometry(window=64, **GEOMETRIES[geom], **extra)
+    s = Session(mt.Engine(cfg, arch=arch), seed=hash((geom, scenario)) % 2**32)
+    run(s)
+    assert own_routes_only(s.eng) and s.eng.routes[0] == "splitk" and s.eng.routes[3] == "interleaved"
+
+
+@pytest.mark.parametrize("dist", DISTRIBUTIONS)
+@pytest.mark.parametrize("window", [40, 64])  # 40: len never a multiple of 32 once full
+def test_distributions_through_the_wrap(arch, dist, window):
+    cfg = geometry(window=window, **GEOMETRIES["gqa16-d128"])
+    s = Session(mt.Engine(cfg, arch=arch), seed=window, dist=dist)
+    s.prefill(window - 5)
+    for _ in range(12):
+        s.step()
+    assert swa_state(s).origin_physical != 0
+
+
+def test_tiny_session_capacity_below_32(arch):
+    """The chapter's deliberately tiny raw session: every plane smaller than one 32-row vec block."""
+    cfg = geometry(window=8, **GEOMETRIES["gqa4-d64"])
+    s = Session(mt.Engine(cfg, arch=arch, capacity=16), seed=5)
+    for _ in range(16):
+        out = s.step()
+        assert np.isfinite(out).all()  # no read past a small allocation poisons the distribution
+    assert swa_state(s).capacity == 16 and nope_state(s).capacity == 16 and nope_state(s).len == 16
+    before = s.eng.planes_snapshot()
+    with pytest.raises(EngineError, match="NoPE plane is at its capacity of 16"):
+        s.step()
+    after = s.eng.planes_snapshot()
+    assert s.eng.position == 16 and before["nope"][2] == after["nope"][2]
+    np.testing.assert_array_equal(before["swa"][0], after["swa"][0])
+
+
+def test_tiny_ring_wraps(arch):
+    cfg = geometry(window=8, pattern=("swa",), n_layers=2, **GEOMETRIES["gqa4-d64"])
+    s = Session(mt.Engine(cfg, arch=arch, capacity=16), seed=7)
+    for _ in range(40):
+        assert np.isfinite(s.step()).all()
+    st = swa_state(s)
+    assert st.capacity == 16 < 32 and st.origin_physical != 0 and st.len == 16
+
+
+def test_tiny_ring_smaller_than_window_is_refused(arch):
+    cfg = geometry(window=64, pattern=("swa",), n_layers=2, **GEOMETRIES["gqa4-d64"])
+    s = Session(mt.Engine(cfg, arch=arch, capacity=16), seed=6)
+    for _ in range(16):
+        s.step()
+    with pytest.raises(EngineError, match="cannot hold the window"):
+        s.step()
+    assert s.eng.position == 16
