@@ -5,7 +5,7 @@
     eng = mt.Engine(cfg, arch="auto", pinned="auto", graph="teacher")
 """
 
-from . import ladder, reference
+from . import ladder, reference, tolerances
 from .config import ConfigError, Geometry, geometry_from_dict, load_config
 from .engine import Engine, EngineError, PinnedUnavailable, pinned_library_status
 from .ladder import INTERLEAVED, LLAMA_VEC_NOPE, LLAMA_VEC_SWA, ROUTES, SPLITK, RouteError

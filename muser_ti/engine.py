@@ -171,25 +171,32 @@ class Engine:
         if backend.generation() != self._generation:
             raise EngineError("Taichi was re-initialised for another arch since this engine was made; its planes are gone")
 
+    @staticmethod
+    def _where(name: str, idx: tuple[int, ...]) -> str:
+        axes = ("layer", "head", "d") if name == "q" else ("layer", "kv head", "d")
+        if len(idx) == 4:
+            axes = ("token",) + axes
+        return ", ".join(f"{a} {i}" for a, i in zip(axes, idx))
+
     def _check_array(self, name: str, a, shape: tuple[int, ...]) -> np.ndarray:
         if not isinstance(a, np.ndarray):
             raise EngineError(f"{name}: expected a numpy array, got {type(a).__name__}")
         if a.shape != shape:
-            raise EngineError(f"{name}: shape {a.shape}, expected {shape} [layers, heads, head_dim]")
+            raise EngineError(f"{name}: shape {a.shape}, expected {shape}")
         if a.dtype not in (np.float32, np.float64, np.float16):
             raise EngineError(f"{name}: dtype {a.dtype}, expected float32")
         a = np.ascontiguousarray(a, dtype=np.float32)
         bad = ~np.isfinite(a)
         if bad.any():
             idx = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise EngineError(f"{name}: non-finite value {a[idx]} at index {idx} (layer, head, d)")
+            raise EngineError(f"{name}: non-finite value {a[idx]} at {self._where(name, idx)}")
         return a
 
     def _check_kv_range(self, name: str, a: np.ndarray):
         big = np.abs(a) > 65504.0
         if big.any():
             idx = tuple(int(i) for i in np.argwhere(big)[0])
-            raise EngineError(f"{name}: value {a[idx]} at index {idx} overflows the f16 plane (|x| <= 65504)")
+            raise EngineError(f"{name}: value {a[idx]:.6g} at {self._where(name, idx)} overflows the f16 plane (|x| <= 65504)")
 
     # ---- public API ----------------------------------------------------------------------------
     def prefill(self, k: np.ndarray, v: np.ndarray) -> None:
