@@ -235,65 +235,82 @@ def head_major_strides(head_dim: int, capacity: int) -> Tuple[int, int]:
 # The runner
 # --------------------------------------------------------------------------
 
-class GgmlFlashAttn:
-    """One decode query against a strided f16 KV view, via ggml_flash_attn_ext.
+class KVView(NamedTuple):
+    """One node's K/V view: element (d, row, kv_head) at base + (first_row+row)*row_stride + kv_head*head_stride + d."""
+    k_plane: object
+    v_plane: object
+    first_row: int
+    n_rows: int
+    row_stride_elems: int
+    head_stride_elems: int
+    mask: Optional[np.ndarray] = None
 
-    The ggml graph depends only on (head_dim, n_heads, n_kv_heads, scale, mask
-    or not), so it is built once (lazily for the mask variant) and reused; each
-    call only rewrites pointers, n_rows and byte strides in the tensor structs.
-    That is safe because the CPU work buffer size does not depend on n_kv
-    (ggml_graph_plan: n_tasks*(DK+2*DV) + n_heads*n_tasks*(2+DV) floats, plus a
-    prefill term that is independent of n_kv), and ggml reads ne/nb/data only
-    at compute time.
+
+class GgmlFlashAttn:
+    """Decode queries against strided f16 KV views, via ggml_flash_attn_ext.
+
+    ``n_nodes`` independent attentions (one per layer) live in one ggml graph, so a
+    whole route's layers are one ``ggml_graph_compute`` (one dispatch, however many
+    layers share the route).  The graph depends only on (head_dim, n_heads,
+    n_kv_heads, scale, which nodes have a mask), so it is built once per mask
+    pattern and reused; each call only rewrites pointers, n_rows and byte strides
+    in the tensor structs.  That is safe because the CPU work buffer size does not
+    depend on n_kv (ggml_graph_plan: n_tasks*(DK+2*DV) + n_heads*n_tasks*(2+DV)
+    floats, plus a prefill term independent of n_kv), and ggml reads ne/nb/data
+    only at compute time.
 
     Per-call cost measured on the 2-core AMD EPYC dev box (AVX2+F16C, OpenMP
-    build), 32 q / 2 kv heads, D=128, 2 threads (noisy: the box was shared):
-    ggml_graph_compute alone is ~7-13 us at 1 row and ~32-38 us at 32 rows;
-    the Python side of attend() (checks, struct writes, q/out copies) is
-    ~5 us with RawPlane planes, ~8 us with ndarray planes (their address costs
-    ~2 us each through __array_interface__), ~+4 us with an f16 mask.
-    Construction ~0.1 ms after the first import.
+    build), 32 q / 2 kv heads, D=128, 2 threads, machine otherwise idle:
+    ggml_graph_compute alone is ~7 us at 1 row and ~32 us at 32 rows; attend()
+    adds ~4-5 us of Python on top (address reads, struct writes, q/out copies;
+    ~2 us less with RawPlane planes).  Construction ~0.1 ms after the import.
     """
 
     def __init__(self, head_dim: int, n_heads: int, n_kv_heads: int,
-                 scale: Optional[float] = None, n_threads: Optional[int] = None):
+                 scale: Optional[float] = None, n_threads: Optional[int] = None, n_nodes: int = 1):
         self._p = load_pinned()
         g = self._p.ggml
         self._g = g
-        if head_dim <= 0 or n_heads <= 0 or n_kv_heads <= 0:
-            raise ValueError("head_dim, n_heads and n_kv_heads must be positive")
+        if head_dim <= 0 or n_heads <= 0 or n_kv_heads <= 0 or n_nodes <= 0:
+            raise ValueError("head_dim, n_heads, n_kv_heads and n_nodes must be positive")
         if n_heads % n_kv_heads:
             # ggml_can_mul_mat would GGML_ASSERT (process abort) on this.
             raise ValueError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
         self.head_dim = int(head_dim)
         self.n_heads = int(n_heads)
         self.n_kv_heads = int(n_kv_heads)
+        self.n_nodes = int(n_nodes)
         self.scale = float(1.0 / math.sqrt(head_dim) if scale is None else scale)
         self.n_threads = int(n_threads or os.cpu_count() or 1)
 
         # no_alloc: tensor structs only; every data pointer is ours to set.
-        mem = 8 * g.ggml_tensor_overhead() + 2 * g.ggml_graph_overhead_custom(8, False) + 4096
+        n = self.n_nodes
+        mem = (8 * n + 8) * g.ggml_tensor_overhead() + 2 * g.ggml_graph_overhead_custom(8 * n, False) + 4096
         self._ctx = g.ggml_init(g.ggml_init_params(mem_size=mem, mem_buffer=None, no_alloc=True))
         if not self._ctx:
             raise PinnedLibraryError("ggml_init failed")
 
         D, H, Hkv = self.head_dim, self.n_heads, self.n_kv_heads
-        # q [D, n_q=1, H, 1] f32, contiguous: matches a C-contiguous [H, D] array.
-        self._q = g.ggml_new_tensor_4d(self._ctx, g.GGML_TYPE_F32, D, 1, H, 1)
-        # k, v [D, n_kv, Hkv, 1] f16; n_kv (ne[1]) and nb[1..3] are rewritten per call.
-        self._k = g.ggml_new_tensor_4d(self._ctx, g.GGML_TYPE_F16, D, 1, Hkv, 1)
-        self._v = g.ggml_new_tensor_4d(self._ctx, g.GGML_TYPE_F16, D, 1, Hkv, 1)
-        # mask [n_kv, n_q=1, 1, 1] f16, contiguous (ggml asserts contiguity at build).
-        self._m = g.ggml_new_tensor_4d(self._ctx, g.GGML_TYPE_F16, 1, 1, 1, 1)
-        self._qc, self._kc, self._vc, self._mc = (t.contents for t in (self._q, self._k, self._v, self._m))
-        self._kv_shape = None  # (n_rows, row_stride, head_stride) currently in the K/V structs
+        # q and the outputs [node, H, D] f32 live here for the instance's lifetime.
+        self._qbuf = np.zeros((n, H, D), dtype=np.float32)
+        self._obuf = np.zeros((n, H, D), dtype=np.float32)
+        self._q, self._k, self._v, self._m = [], [], [], []
+        for i in range(n):
+            # q [D, n_q=1, H, 1] f32, contiguous: matches a C-contiguous [H, D] array.
+            self._q.append(g.ggml_new_tensor_4d(self._ctx, g.GGML_TYPE_F32, D, 1, H, 1))
+            # k, v [D, n_kv, Hkv, 1] f16; n_kv (ne[1]) and nb[1..3] are rewritten per call.
+            self._k.append(g.ggml_new_tensor_4d(self._ctx, g.GGML_TYPE_F16, D, 1, Hkv, 1))
+            self._v.append(g.ggml_new_tensor_4d(self._ctx, g.GGML_TYPE_F16, D, 1, Hkv, 1))
+            # mask [n_kv, n_q=1, 1, 1] f16, contiguous (ggml asserts contiguity at build).
+            self._m.append(g.ggml_new_tensor_4d(self._ctx, g.GGML_TYPE_F16, 1, 1, 1, 1))
+            self._q[i].contents.data = self._qbuf[i].ctypes.data
+        self._qc = [t.contents for t in self._q]
+        self._kc = [t.contents for t in self._k]
+        self._vc = [t.contents for t in self._v]
+        self._mc = [t.contents for t in self._m]
+        self._kv_shape = [None] * n  # (n_rows, row_stride, head_stride) currently in each node's K/V structs
 
-        # q and the output [H, D] f32 live here for the instance's lifetime.
-        self._qbuf = np.zeros((H, D), dtype=np.float32)
-        self._obuf = np.zeros((H, D), dtype=np.float32)
-        self._qc.data = self._qbuf.ctypes.data
-
-        self._graphs = {}  # has_mask -> (graph, result tensor contents)
+        self._graphs = {}  # mask pattern (tuple of bools) -> graph
         self._tp = None
         tpp = g.ggml_threadpool_params_default(self.n_threads)
         # A persistent threadpool saves ggml_graph_compute from creating a
@@ -302,16 +319,19 @@ class GgmlFlashAttn:
         self._tp = g.ggml_threadpool_new(ctypes.byref(tpp))
         self._plan = None
         self._work = None
-        self._build(False)
+        self._build((False,) * n)
 
     # -- graph ------------------------------------------------------------
 
-    def _build(self, has_mask: bool):
+    def _build(self, masks: tuple):
         g = self._g
-        res = g.ggml_flash_attn_ext(self._ctx, self._q, self._k, self._v,
-                                    self._m if has_mask else None, self.scale, 0.0, 0.0)
-        gf = g.ggml_new_graph_custom(self._ctx, 8, False)
-        g.ggml_build_forward_expand(gf, res)
+        gf = g.ggml_new_graph_custom(self._ctx, 8 * self.n_nodes, False)
+        for i, has_mask in enumerate(masks):
+            res = g.ggml_flash_attn_ext(self._ctx, self._q[i], self._k[i], self._v[i],
+                                        self._m[i] if has_mask else None, self.scale, 0.0, 0.0)
+            g.ggml_build_forward_expand(gf, res)
+            # result [DV, H, n_q=1, 1] f32 contiguous == a C-contiguous [H, D] array
+            res.contents.data = self._obuf[i].ctypes.data
         plan = g.ggml_graph_plan(gf, self.n_threads, self._tp)
         if self._plan is None or plan.work_size > self._plan.work_size:
             # work buffer owned by numpy, 64-byte aligned by slicing
@@ -322,11 +342,8 @@ class GgmlFlashAttn:
         self._plan.work_data = ctypes.cast(self._work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
         self._plan_ref = ctypes.byref(self._plan)
         self._compute = g.ggml_graph_compute
-        rc = res.contents
-        # result [DV, H, n_q=1, 1] f32 contiguous == a C-contiguous [H, D] array
-        rc.data = self._obuf.ctypes.data
-        self._graphs[has_mask] = (gf, rc)
-        return self._graphs[has_mask]
+        self._graphs[masks] = gf
+        return gf
 
     # -- call -------------------------------------------------------------
 
@@ -344,77 +361,95 @@ class GgmlFlashAttn:
         (float16 C-contiguous is used in place; -inf skips the row) or bool
         (True = attend).  Not thread-safe: one call at a time per instance.
         """
-        H, D, Hkv = self.n_heads, self.head_dim, self.n_kv_heads
+        if self.n_nodes != 1:
+            raise ValueError(f"attend() is for one node; this runner has {self.n_nodes}: use attend_many()")
+        H, D = self.n_heads, self.head_dim
         if q.shape != (H, D):
             raise ValueError(f"q must be [{H}, {D}], got {q.shape}")
         if out is not None and (out.shape != (H, D) or out.dtype != np.float32):
             raise ValueError(f"out must be float32 [{H}, {D}], got {out.dtype} {out.shape}")
+        view = KVView(k_plane, v_plane, first_row, n_rows, row_stride_elems, head_stride_elems, mask)
+        result = self.attend_many(q[None], [view])[0]
+        if out is None:
+            return result.copy()
+        out[...] = result
+        return out
 
-        n_rows = int(n_rows)
-        first_row = int(first_row)
-        rs = int(row_stride_elems)
-        hs = int(head_stride_elems)
+    def attend_many(self, q: np.ndarray, views) -> np.ndarray:
+        """One graph compute over every node: q [n_nodes, H, D], one KVView per node.
+
+        Returns the internal [n_nodes, H, D] output buffer (valid until the next call).
+        """
+        H, D, Hkv = self.n_heads, self.head_dim, self.n_kv_heads
+        if q.shape != (self.n_nodes, H, D):
+            raise ValueError(f"q must be [{self.n_nodes}, {H}, {D}], got {q.shape}")
+        if len(views) != self.n_nodes:
+            raise ValueError(f"expected {self.n_nodes} views, got {len(views)}")
+        masks = tuple(vw.mask is not None for vw in views)
+        for i, vw in enumerate(views):
+            self._set_view(i, vw)
+        gf = self._graphs.get(masks) or self._build(masks)
+        # q lives in a buffer owned here: copying it costs ~1 us per 16 KiB, less than
+        # reading a caller array's address through __array_interface__ (~2.3 us).
+        self._qbuf[...] = q
+        status = self._compute(gf, self._plan_ref)
+        if status != 0:
+            raise RuntimeError(f"ggml_graph_compute returned status {status}")
+        return self._obuf
+
+    def _set_view(self, i: int, vw: KVView) -> None:
+        D, Hkv = self.head_dim, self.n_kv_heads
+        n_rows, first_row = int(vw.n_rows), int(vw.first_row)
+        rs, hs = int(vw.row_stride_elems), int(vw.head_stride_elems)
         if n_rows < 1 or first_row < 0 or rs < 1 or hs < 1:
             raise ValueError("need n_rows >= 1, first_row >= 0 and positive strides")
-        k_addr, k_n = _plane_base(k_plane, "K")
-        v_addr, v_n = _plane_base(v_plane, "V")
+        k_addr, k_n = _plane_base(vw.k_plane, "K")
+        v_addr, v_n = _plane_base(vw.v_plane, "V")
         # one past the last half the view touches, relative to the plane base
         end = (first_row + n_rows - 1) * rs + (Hkv - 1) * hs + D
         if end > k_n or end > v_n:
             raise ValueError(f"view needs {end} halves but the planes hold K {k_n}, V {v_n}")
-
-        has_mask = mask is not None
-        if has_mask:
+        mask = vw.mask
+        if mask is not None:
             if mask.dtype == np.bool_:
                 mask = np.where(mask, np.float16(0), np.float16(-np.inf))
             elif mask.dtype != np.float16 or not mask.flags.c_contiguous:
                 mask = np.ascontiguousarray(mask, dtype=np.float16)
             if mask.shape != (n_rows,):
                 raise ValueError(f"mask must have shape ({n_rows},), got {mask.shape}")
-        gf, res = self._graphs.get(has_mask) or self._build(has_mask)
-
+            self._mask_keep = getattr(self, "_mask_keep", {})
+            self._mask_keep[i] = mask  # alive until the compute has read it
         off = first_row * rs * _F16
-        self._kc.data = k_addr + off
-        self._vc.data = v_addr + off
+        kc, vc = self._kc[i], self._vc[i]
+        kc.data = k_addr + off
+        vc.data = v_addr + off
         shape = (n_rows, rs, hs)
-        if shape != self._kv_shape:
+        if shape != self._kv_shape[i]:
             # ctypes array item writes cost ~0.5 us each: only on change
             nb1, nb2 = rs * _F16, hs * _F16
-            for t in (self._kc, self._vc):
+            for t in (kc, vc):
                 t.ne[1] = n_rows
                 t.nb[1] = nb1
                 t.nb[2] = nb2
                 t.nb[3] = nb2 * Hkv    # ne[3] == 1, so any value; keep it monotone
-            self._kv_shape = shape
-        if has_mask:
-            m = self._mc
+            self._kv_shape[i] = shape
+        if mask is not None:
+            m = self._mc[i]
             m.data = mask.__array_interface__["data"][0]
             if m.ne[0] != n_rows:
                 m.ne[0] = n_rows
                 m.nb[1] = m.nb[2] = m.nb[3] = n_rows * _F16
-
-        # q and the result live in buffers owned here (16 KiB each for 32x128):
-        # copying them costs ~1 us, less than reading a caller array's address
-        # through __array_interface__ (~2.3 us), and q's dtype cast comes free.
-        self._qbuf[...] = q
-        status = self._compute(gf, self._plan_ref)
-        if status != 0:
-            raise RuntimeError(f"ggml_graph_compute returned status {status}")
-        if out is None:
-            return self._obuf.copy()
-        out[...] = self._obuf
-        return out
 
     # -- introspection / lifetime ----------------------------------------
 
     @property
     def k_data_ptr(self) -> int:
         """Address ggml's K tensor reads from (the plane address + first_row offset)."""
-        return int(self._kc.data or 0)
+        return int(self._kc[0].data or 0)
 
     @property
     def v_data_ptr(self) -> int:
-        return int(self._vc.data or 0)
+        return int(self._vc[0].data or 0)
 
     def close(self):
         g = getattr(self, "_g", None)

@@ -27,6 +27,7 @@ import pytest
 
 from muser_ti.ggml_flash_attn import (
     GgmlFlashAttn,
+    KVView,
     PinnedLibraryError,
     RawPlane,
     head_major_strides,
@@ -426,3 +427,22 @@ def test_pinned_status_says_why_not(monkeypatch, fake, why):
     assert not ok and why in msg
     with pytest.raises(PinnedLibraryError, match=why):
         load_pinned()
+
+
+@needs_ggml
+def test_attend_many_is_one_graph_of_independent_nodes():
+    """All layers of a route in one graph compute: each node gives the same bits as a lone call."""
+    D, H, Hkv, n = 64, 8, 2, 3
+    rng = np.random.default_rng(21)
+    planes = [(rng.standard_normal((Hkv, 300, D)).astype(np.float16),
+               rng.standard_normal((Hkv, 300, D)).astype(np.float16)) for _ in range(n)]
+    q = rng.standard_normal((n, H, D)).astype(np.float32)
+    rows = [300, 37, 1]
+    masks = [None, np.where(np.arange(37) % 5 == 0, -np.inf, 0).astype(np.float16), None]
+    views = [KVView(k, v, 0, r, D, 300 * D, m) for (k, v), r, m in zip(planes, rows, masks)]
+    with GgmlFlashAttn(D, H, Hkv, n_threads=2, n_nodes=n) as many:
+        got = many.attend_many(q, views).copy()
+    for i, ((k, v), r, m) in enumerate(zip(planes, rows, masks)):
+        with GgmlFlashAttn(D, H, Hkv, n_threads=2) as one:
+            alone = one.attend(q[i], k, v, first_row=0, n_rows=r, row_stride_elems=D, head_stride_elems=300 * D, mask=m)
+        np.testing.assert_array_equal(got[i], alone)
