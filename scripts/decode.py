@@ -39,6 +39,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", action="store_true", help="compare every step with the float64 reference")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON only")
+    ap.add_argument("--explain", action="store_true",
+                    help="print the config's bandwidth arithmetic (chapter 16.7: KV bytes vs the weight stream by depth) and exit")
     return ap.parse_args(argv)
 
 
@@ -146,6 +148,15 @@ def print_summary(s: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.explain:  # pure arithmetic on the geometry: no engine, no backend
+        from muser_ti.bandwidth import explain
+
+        try:
+            print("\n".join(explain(mt.load_config(args.config))))
+        except mt.ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     try:
         summary = run(args)
     except (mt.ConfigError, mt.EngineError, mt.RouteError, mt.PinnedUnavailable) as exc:
