@@ -1,0 +1,103 @@
+"""scripts/sweep.py: sweep files are validated before any engine is built, and sweeps resume."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import muser_ti as mt
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("sweep", ROOT / "scripts" / "sweep.py")
+sweep = importlib.util.module_from_spec(_spec)
+sys.modules["sweep"] = sweep
+_spec.loader.exec_module(sweep)
+
+TINY = dict(name="tiny-test", n_heads=4, n_kv_heads=2, head_dim=64, n_layers=2, layer_pattern=["swa", "nope"],
+            window=8, max_context=64, attention_scale="auto", weight_stream_bytes=1_000_000)
+
+
+def _write(tmp_path, axes, fixed=None, run=None, name="t"):
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY))
+    doc = {"name": name, "base": "tiny.yaml", "axes": axes, "fixed": fixed or {"arch": "cpu"},
+           "run": run or {"steps": 1, "warmup": 1}}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Any engine construction during validation is a test failure."""
+    def boom(*a, **k):
+        raise AssertionError("an Engine was built before the sweep was validated")
+    monkeypatch.setattr(mt, "Engine", boom)
+
+
+@pytest.mark.parametrize("axes, fixed, match", [
+    ({"heads": [1, 2]}, None, "unknown axis"),
+    ({"n_kv_heads": [1, 3]}, None, "n_kv_heads"),            # 3 does not divide n_heads=4
+    ({"head_dim": [64, 96]}, None, "head_dim"),
+    ({"depth": [1, 65]}, None, "max_context"),
+    ({"depth": [0]}, None, "positive integer"),
+    ({"depth": []}, None, "non-empty list"),
+    ({"arch": ["tpu"]}, None, "arch"),
+    ({"capacity": [4]}, {"arch": "cpu", "depth": 8}, "capacity"),  # a 4-row ring cannot hold an 8-row window
+    ({"depth": [10, 20]}, {"arch": "cpu", "capacity": 16}, "NoPE plane"),  # 20 > a NoPE plane capped at 16
+    ({"layer_pattern": [["swa", "rope"]]}, None, "layer_pattern"),
+])
+def test_bad_sweep_files_fail_before_anything_runs(tmp_path, no_engine, axes, fixed, match):
+    with pytest.raises(sweep.SweepError, match=match):
+        sweep.load_sweep(_write(tmp_path, axes, fixed))
+
+
+def test_unknown_run_option_and_top_level_key(tmp_path, no_engine):
+    with pytest.raises(sweep.SweepError, match="unknown option"):
+        sweep.load_sweep(_write(tmp_path, {"depth": [1]}, run={"stepz": 2}))
+    p = _write(tmp_path, {"depth": [1]})
+    doc = yaml.safe_load(p.read_text()) | {"axis": {}}
+    p.write_text(yaml.safe_dump(doc))
+    with pytest.raises(sweep.SweepError, match="unknown key"):
+        sweep.load_sweep(p)
+
+
+@pytest.mark.parametrize("axes", [{"pinned": ["off", "on"]}, {"graph": ["teacher", "serving"]}])
+def test_pinned_on_or_serving_rejected_without_the_library(tmp_path, no_engine, monkeypatch, axes):
+    monkeypatch.setattr(mt, "pinned_library_status", lambda *a, **k: (False, "no library in this test"))
+    with pytest.raises(sweep.SweepError, match="needs the pinned llama library.*no library in this test"):
+        sweep.load_sweep(_write(tmp_path, axes))
+
+
+def test_yaml_bare_off_means_pinned_off(tmp_path, no_engine):
+    p = tmp_path / "s.yaml"
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY))
+    p.write_text("base: tiny.yaml\naxes:\n  pinned: [off]\n")
+    assert sweep.load_sweep(p).points[0].engine["pinned"] == "off"
+
+
+def test_sweep_runs_writes_outputs_and_resumes(tmp_path):
+    path = _write(tmp_path, {"depth": [1, 9, 12], "pinned": ["off"]}, run={"steps": 1, "warmup": 1, "floor_gbps": 10.0})
+    out = tmp_path / "out"
+    first = sweep.run_sweep(sweep.load_sweep(path), out, quiet=True)
+    assert (first["executed"], first["skipped"]) == (3, 0)
+    rows = sweep.read_rows(first["csv"], sweep.columns(sweep.load_sweep(path)))
+    assert [int(r["depth"]) for r in rows] == [1, 9, 12]
+    for r in rows:  # the own routes, checked against the float64 reference; bytes from the arithmetic
+        assert r["routes"] == "splitk:1;interleaved:1"
+        assert float(r["err_max"]) <= mt.tolerances.F32_ROUTE_RTOL
+        assert int(r["kv_bytes"]) == int(r["kv_bytes_model"])
+        assert float(r["splitk_s"]) > 0 and float(r["interleaved_s"]) > 0
+    assert int(rows[2]["kv_bytes"]) == (8 + 12) * 2 * 2 * 64 * 2  # SWA capped at the window, NoPE at depth
+    assert all(p.stat().st_size > 0 for p in first["png"]) and first["md"].read_text().count("\n| ") >= 4
+
+    # Interrupted sweep: drop the last row, then run again: only that point runs.
+    lines = first["csv"].read_text().splitlines(keepends=True)
+    first["csv"].write_text("".join(lines[:-1]))
+    again = sweep.run_sweep(sweep.load_sweep(path), out, quiet=True, plots=False)
+    assert (again["executed"], again["skipped"]) == (1, 2)
+    # Complete: the second run executes zero points.
+    done = sweep.run_sweep(sweep.load_sweep(path), out, quiet=True, plots=False)
+    assert (done["executed"], done["skipped"]) == (0, 3)
+    assert len(first["csv"].read_text().splitlines()) == 4
