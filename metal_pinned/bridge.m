@@ -220,7 +220,7 @@ MP_EXPORT void mp_close(mp_ctx *ctx) {
         cx.padScratch = nil;
         cx.tmpScratch = nil;
         [cx.lock unlock];
-        cx = nil; /* released here */
+        /* the transferred reference is released when cx goes out of scope */
     }
 }
 
@@ -307,8 +307,8 @@ MP_EXPORT size_t mp_buffer_length(mp_buf *buf) { return buf ? (size_t)buf_of(buf
 MP_EXPORT void mp_buffer_free(mp_buf *buf) {
     if (!buf) return;
     @autoreleasepool {
-        MPBuffer *mb = (__bridge_transfer MPBuffer *)(void *)buf;
-        mb = nil;
+        MPBuffer *mb = (__bridge_transfer MPBuffer *)(void *)buf; /* ARC releases it at scope exit */
+        (void)mb;
     }
 }
 
