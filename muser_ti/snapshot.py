@@ -1,0 +1,362 @@
+"""Engine snapshots: a session's whole cache in one safetensors file, restored bit for bit.
+
+What a snapshot holds (everything the next token depends on, nothing else):
+
+* every plane's live rows, as f16 tensors in the engine's own layouts:
+  ``swa.k`` / ``swa.v``   [n_swa_layers, capacity, n_kv_heads, head_dim]: the whole ring (a ring's
+  rows are its live window; rows of a partially wrapped ring that no token owns are kept too, which
+  costs nothing and keeps the plane bit-identical);
+  ``nope.k`` / ``nope.v`` [n_nope_layers, n_kv_heads, len, head_dim]: rows [0, len) of the growing plane;
+* with graph='serving', llama.cpp's cell-order SWA cache (``serving.k``, ``serving.v``, ``serving.pos``),
+  since the cells attended (and so the pinned kernel's reduction lanes) depend on its history;
+* in the header's JSON metadata: a format name and version, the geometry, the position, each plane's
+  len / capacity / origin_logical / origin_physical / cap (the most rows it may hold: the per-session
+  capacity), the route counts and last routes, and a SHA-256 over the state and every tensor's bytes.
+
+Writes are atomic: the file is written under a temporary name in the same directory, flushed to
+disk, then renamed over the destination, so a crash mid-save leaves either the old file or none, and
+never one that loads.  Loads are all-or-nothing: the file is read and checked completely (format,
+version, geometry, dtypes, shapes, missing or unknown tensors, plane invariants, checksum) before
+the engine is touched; a refused file raises :class:`SnapshotError` and leaves the engine unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections import Counter
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+
+from .config import NOPE, SWA, ConfigError, Geometry, geometry_from_dict
+from .engine import Engine, EngineError
+from .planes import PlaneState
+
+FORMAT = "muser-ti-snapshot"
+VERSION = 1
+PLANE_DTYPE = np.float16
+_META_KEY = "muser_ti"
+_SUM_KEY = "sha256"
+_STATE_FIELDS = ("len", "capacity", "origin_logical", "origin_physical")
+
+
+class SnapshotError(EngineError):
+    """A snapshot cannot be written or is refused on load (the engine is unchanged)."""
+
+
+# ---- geometry <-> JSON -------------------------------------------------------------------------
+def _geometry_dict(g: Geometry) -> dict:
+    out = {f.name: getattr(g, f.name) for f in fields(g) if f.name != "source"}
+    out["layer_pattern"] = list(g.layer_pattern)
+    return out
+
+
+def _geometry_diff(a: Geometry, b: Geometry) -> list[str]:
+    da, db = _geometry_dict(a), _geometry_dict(b)
+    return [f"{k}: file {da[k]!r} vs engine {db[k]!r}" for k in da if da[k] != db[k]]
+
+
+def _checksum(meta_json: str, tensors: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256(meta_json.encode())
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        h.update(f"{name}|{a.dtype.str}|{a.shape}".encode())
+        h.update(a.reshape(-1).view(np.uint8))
+    return h.hexdigest()
+
+
+# ---- save --------------------------------------------------------------------------------------
+def engine_tensors_and_meta(engine: Engine) -> tuple[dict[str, np.ndarray], dict]:
+    """The tensors and metadata a snapshot of ``engine`` holds (copies; the engine is not changed)."""
+    engine._check_alive()
+    g = engine.cfg
+    tensors: dict[str, np.ndarray] = {}
+    planes = {}
+    for kind, ps in engine.planes.items():
+        st = ps.state
+        k, v = engine._k[kind].to_numpy(), engine._v[kind].to_numpy()
+        if kind == NOPE:  # growing plane: only the rows tokens own
+            k, v = k[:, :, : st.len], v[:, :, : st.len]
+        tensors[f"{kind}.k"] = np.ascontiguousarray(k, dtype=PLANE_DTYPE)
+        tensors[f"{kind}.v"] = np.ascontiguousarray(v, dtype=PLANE_DTYPE)
+        planes[kind] = {**{f: getattr(st, f) for f in _STATE_FIELDS}, "cap": ps.cap}
+    if engine._serving is not None:
+        sc = engine._serving
+        tensors["serving.k"] = np.ascontiguousarray(sc.k)
+        tensors["serving.v"] = np.ascontiguousarray(sc.v)
+        tensors["serving.pos"] = np.ascontiguousarray(sc.pos, dtype=np.int64)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "geometry": _geometry_dict(g),
+        "dtype": "float16",
+        "position": engine.position,
+        "graph": engine.graph,
+        "planes": planes,
+        "route_counts": dict(engine.route_counts),
+        "routes": list(engine.routes),
+    }
+    return tensors, meta
+
+
+def save_engine(engine: Engine, path: str | os.PathLike) -> Path:
+    """Write ``engine``'s session to ``path`` (safetensors), atomically: temp file, fsync, rename."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    tensors, meta = engine_tensors_and_meta(engine)
+    meta_json = json.dumps(meta, sort_keys=True)
+    header = {_META_KEY: meta_json, _SUM_KEY: _checksum(meta_json, tensors)}
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=header)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:  # make the rename itself durable
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+    return path
+
+
+# ---- load --------------------------------------------------------------------------------------
+class _Snapshot:
+    """A file read and checked in full: geometry, state and tensors (host copies)."""
+
+    def __init__(self, path: Path, geometry: Geometry, meta: dict, tensors: dict[str, np.ndarray]):
+        self.path, self.geometry, self.meta, self.tensors = path, geometry, meta, tensors
+
+    @property
+    def position(self) -> int:
+        return self.meta["position"]
+
+    def state(self, kind: str) -> PlaneState:
+        p = self.meta["planes"][kind]
+        return PlaneState(**{f: p[f] for f in _STATE_FIELDS})
+
+    def cap(self, kind: str) -> int:
+        return self.meta["planes"][kind]["cap"]
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def read_snapshot(path: str | os.PathLike) -> _Snapshot:
+    """Read and validate a snapshot file completely (nothing is touched); SnapshotError if refused."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    where = f"snapshot {path}"
+    if not path.is_file():
+        raise SnapshotError(f"{where}: no such file")
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            header = f.metadata() or {}
+            names = list(f.keys())
+            tensors = {name: f.get_tensor(name) for name in names}
+    except (SafetensorError, OSError, ValueError, TypeError) as exc:
+        raise SnapshotError(f"{where}: not a readable safetensors file (truncated or corrupt?): {exc}") from None
+
+    if _META_KEY not in header:
+        raise SnapshotError(f"{where}: no '{_META_KEY}' metadata in the header: not a muser-ti snapshot")
+    meta_json = header[_META_KEY]
+    try:
+        meta = json.loads(meta_json)
+    except json.JSONDecodeError as exc:
+        raise SnapshotError(f"{where}: metadata is not valid JSON: {exc}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise SnapshotError(f"{where}: format {meta.get('format') if isinstance(meta, dict) else meta!r}, expected {FORMAT!r}")
+    if meta.get("version") != VERSION:
+        raise SnapshotError(f"{where}: format version {meta.get('version')!r}; this build reads version {VERSION}")
+    if meta.get("dtype") != "float16":
+        raise SnapshotError(f"{where}: plane dtype {meta.get('dtype')!r}; the engine's planes are float16")
+    if header.get(_SUM_KEY) != _checksum(meta_json, tensors):
+        raise SnapshotError(f"{where}: checksum mismatch: the file's contents were changed or corrupted after it was written")
+    try:
+        geom = geometry_from_dict(meta["geometry"], source=f"{where} geometry")
+    except (ConfigError, KeyError, TypeError) as exc:
+        raise SnapshotError(f"{where}: bad geometry: {exc}") from None
+
+    # State: every field present, integers, and the plane invariants the engine keeps.
+    position = meta.get("position")
+    if not _int(position) or not 0 <= position <= geom.max_context:
+        raise SnapshotError(f"{where}: position {position!r} is not an integer in [0, max_context={geom.max_context}]")
+    kinds = {kind for kind in (SWA, NOPE) if getattr(geom, f"{kind}_layers")}
+    planes = meta.get("planes")
+    if not isinstance(planes, dict) or set(planes) != kinds:
+        raise SnapshotError(f"{where}: planes {sorted(planes) if isinstance(planes, dict) else planes!r}, "
+                            f"expected {sorted(kinds)} for this geometry")
+    for kind, p in planes.items():
+        bad = [f for f in _STATE_FIELDS + ("cap",) if not (isinstance(p, dict) and _int(p.get(f)) and p.get(f) >= 0)]
+        if bad:
+            raise SnapshotError(f"{where}: {kind} plane: field(s) {bad} missing or not non-negative integers")
+        st = PlaneState(**{f: p[f] for f in _STATE_FIELDS})
+        problems = []
+        if not 1 <= st.capacity <= p["cap"]:
+            problems.append(f"capacity {st.capacity} not in [1, cap={p['cap']}]")
+        if st.len > st.capacity:
+            problems.append(f"len {st.len} > capacity {st.capacity}")
+        if st.origin_physical >= st.capacity:
+            problems.append(f"origin_physical {st.origin_physical} >= capacity {st.capacity}")
+        if st.origin_logical + st.len != position:
+            problems.append(f"origin_logical {st.origin_logical} + len {st.len} != position {position}")
+        if kind == NOPE and (st.origin_physical or st.origin_logical):
+            problems.append("a NoPE plane never wraps (origins must be 0)")
+        if kind == SWA and st.capacity != p["cap"]:
+            problems.append(f"ring capacity {st.capacity} != its cap {p['cap']}")
+        if problems:
+            raise SnapshotError(f"{where}: {kind} plane state is inconsistent: {'; '.join(problems)}")
+
+    if _session_capacity_of(geom, planes) is False:
+        raise SnapshotError(f"{where}: plane caps {({k: p['cap'] for k, p in planes.items()})} follow neither from the "
+                            "geometry nor from any per-session capacity")
+
+    # Tensors: exactly the expected names, dtypes and shapes.
+    expected: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    KV, D = geom.n_kv_heads, geom.head_dim
+    for kind in kinds:
+        n = len(getattr(geom, f"{kind}_layers"))
+        st = PlaneState(**{f: planes[kind][f] for f in _STATE_FIELDS})
+        shape = (n, st.capacity, KV, D) if kind == SWA else (n, KV, st.len, D)
+        expected[f"{kind}.k"] = expected[f"{kind}.v"] = (shape, np.dtype(PLANE_DTYPE))
+    graph = meta.get("graph")
+    if graph not in ("teacher", "serving"):
+        raise SnapshotError(f"{where}: graph {graph!r}, expected 'teacher' or 'serving'")
+    if graph == "serving" and SWA in kinds:
+        from .llama_rung import LLAMA_KV_PAD, pad
+
+        cells = pad(geom.window + geom.n_ubatch, LLAMA_KV_PAD)
+        n_swa = len(geom.swa_layers)
+        expected["serving.k"] = expected["serving.v"] = ((n_swa, cells, KV, D), np.dtype(PLANE_DTYPE))
+        expected["serving.pos"] = ((cells,), np.dtype(np.int64))
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise SnapshotError(f"{where}: missing tensor(s) {missing}")
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        raise SnapshotError(f"{where}: unexpected tensor(s) {unknown}")
+    for name, (shape, dtype) in expected.items():
+        a = tensors[name]
+        if a.dtype != dtype:
+            raise SnapshotError(f"{where}: tensor {name!r} has dtype {a.dtype}, expected {dtype}")
+        if a.shape != shape:
+            raise SnapshotError(f"{where}: tensor {name!r} has shape {a.shape}, expected {shape}")
+    counts = meta.get("route_counts", {})
+    routes = meta.get("routes")
+    if (not isinstance(counts, dict) or not all(_int(c) for c in counts.values())
+            or not isinstance(routes, list) or len(routes) != geom.n_layers):
+        raise SnapshotError(f"{where}: route_counts/routes are malformed")
+    return _Snapshot(path, geom, meta, tensors)
+
+
+def _check_fits(snap: _Snapshot, engine: Engine) -> None:
+    """Refuse a snapshot that does not describe this engine's session (before anything is written)."""
+    where = f"snapshot {snap.path}"
+    diff = _geometry_diff(snap.geometry, engine.cfg)
+    if diff:
+        raise SnapshotError(f"{where}: saved for another geometry ({'; '.join(diff)})")
+    for kind, ps in engine.planes.items():
+        if snap.cap(kind) != ps.cap:
+            raise SnapshotError(f"{where}: the {kind} plane may hold {snap.cap(kind)} rows in the file but "
+                                f"{ps.cap} in this engine (a different per-session capacity)")
+    if engine._serving is not None and snap.meta["graph"] != "serving":
+        raise SnapshotError(f"{where}: saved from graph={snap.meta['graph']!r}; a serving engine needs llama.cpp's "
+                            "cell-order cache, which that file does not hold")
+
+
+def restore_into(engine: Engine, path: str | os.PathLike) -> None:
+    """Replace ``engine``'s session with the one in ``path``; refused files leave it unchanged."""
+    engine._check_alive()
+    snap = read_snapshot(path)
+    _check_fits(snap, engine)
+    _apply(engine, snap)
+
+
+def _apply(engine: Engine, snap: _Snapshot) -> None:
+    g = engine.cfg
+    # Build the full device images first (host memory), then write; allocation of a NoPE plane of
+    # another capacity happens here too, before any existing array is overwritten.
+    staged = {}
+    for kind, ps in engine.planes.items():
+        st = snap.state(kind)
+        k, v = snap.tensors[f"{kind}.k"], snap.tensors[f"{kind}.v"]
+        if kind == NOPE:
+            full_k = np.zeros((k.shape[0], g.n_kv_heads, st.capacity, g.head_dim), PLANE_DTYPE)
+            full_v = np.zeros_like(full_k)
+            full_k[:, :, : st.len] = k
+            full_v[:, :, : st.len] = v
+            k, v = full_k, full_v
+        if st.capacity == ps.state.capacity:
+            dk, dv = engine._k[kind], engine._v[kind]
+        else:
+            dk, dv = engine._alloc_plane(kind, st.capacity)
+        staged[kind] = (dk, dv, k, v, st)
+    for kind, (dk, dv, k, v, st) in staged.items():
+        dk.from_numpy(k)
+        dv.from_numpy(v)
+        engine._k[kind], engine._v[kind] = dk, dv
+        engine.planes[kind].state = st
+    if engine._serving is not None:
+        sc = engine._serving
+        sc.k[...] = snap.tensors["serving.k"]
+        sc.v[...] = snap.tensors["serving.v"]
+        sc.pos[...] = snap.tensors["serving.pos"]
+    engine.position = snap.position
+    engine.route_counts = Counter(snap.meta["route_counts"])
+    engine.routes = list(snap.meta["routes"])
+
+
+def _caps(geom: Geometry, capacity: int | None) -> dict[str, int]:
+    """Plane caps Engine(geom, capacity=capacity) gives (the rule in Engine.__init__)."""
+    out = {}
+    if geom.swa_layers:
+        out[SWA] = capacity if capacity is not None else geom.swa_ring_capacity
+    if geom.nope_layers:
+        out[NOPE] = min(capacity, geom.max_context) if capacity is not None else geom.max_context
+    return out
+
+
+def _session_capacity_of(geom: Geometry, planes: dict):
+    """The Engine(capacity=...) argument that gives the planes these caps: None for the geometry's own,
+    an int, or False if no argument does (a forged or inconsistent file)."""
+    caps = {kind: p["cap"] for kind, p in planes.items()}
+    for candidate in (None, caps.get(NOPE), caps.get(SWA)):
+        if (candidate is None or candidate >= 1) and _caps(geom, candidate) == caps:
+            return candidate
+    return False
+
+
+def _session_capacity(snap: _Snapshot) -> int | None:
+    return _session_capacity_of(snap.geometry, snap.meta["planes"])
+
+
+def load_engine(path: str | os.PathLike, arch: str = "auto", pinned: str = "auto", graph: str | None = None,
+                force=None) -> Engine:
+    """A new engine holding the session saved in ``path`` (its geometry and per-session capacity).
+
+    ``graph`` defaults to the graph the session was saved from.
+    """
+    snap = read_snapshot(path)
+    engine = Engine(snap.geometry, arch=arch, pinned=pinned, graph=graph or snap.meta["graph"], force=force,
+                    capacity=_session_capacity(snap))
+    _check_fits(snap, engine)
+    _apply(engine, snap)
+    return engine
