@@ -115,7 +115,10 @@ def activate(arch: str = "auto") -> str:
         ti.reset()
     # fast_math off: the reducers' exp must be the precise one (reduce_v2's precise::exp), and the
     # error bounds in tolerances.py assume it.
-    ti.init(arch=getattr(ti, want), fast_math=False, offline_cache=True, log_level=ti.WARN, unrolling_limit=0)
+    # MUSER_TI_KERNEL_PROFILER=1: per-kernel device times (scripts/bench.py's GPU layer timings).
+    profiler = os.environ.get("MUSER_TI_KERNEL_PROFILER") == "1"
+    ti.init(arch=getattr(ti, want), fast_math=False, offline_cache=True, log_level=ti.WARN, unrolling_limit=0,
+            kernel_profiler=profiler)
     got = ti.lang.impl.current_cfg().arch.name
     if got != {"cpu": "x64"}.get(want, want) and not (want == "cpu" and got in ("x64", "arm64")):
         ti.reset()

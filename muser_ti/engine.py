@@ -9,17 +9,18 @@ cannot hold its window) raises before any write: the cache is exactly as it was.
 
 from __future__ import annotations
 
+import ctypes
 from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 import taichi as ti
 
-from . import backend, ladder
+from . import backend, ladder, llama_rung
 from .config import NOPE, SWA, Geometry
-from .kernels.common import BLOCK_ROWS, HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, on_gpu
+from .kernels.common import HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, on_gpu
 from .kernels.interleaved import build_interleaved
-from .kernels.splitk import build_splitk, splitk_geometry
+from .kernels.splitk import build_splitk, gpu_split_geometry, splitk_geometry
 from .kernels.stores import build_stores
 from .planes import PlaneError, PlaneSet, PlaneState, ring_rows_to_write, visible_span, window_of
 from .reference import attend
@@ -37,13 +38,13 @@ class PinnedUnavailable(RuntimeError):
     """A pinned route was selected or requested but the pinned library is not loaded."""
 
 
-def pinned_library_status() -> tuple[bool, str]:
-    """(loaded, description): whether llama.cpp's vec kernel can be dispatched in this process.
+def pinned_library_status(arch: str = "auto") -> tuple[bool, str]:
+    """(loaded, description): can llama.cpp's vec kernel read planes on ``arch`` in this process?
 
-    The pinned rung is built by a later issue; until then nothing is ever loaded and the ladder falls
-    to the project's own kernels, as §16.0 says it does when the metallib is missing.
+    Without it the ladder falls to the project's own kernels, as §16.0 says it does when the
+    metallib is missing.
     """
-    return False, "no pinned llama library in this build (the llama rung is not built yet)"
+    return llama_rung.pinned_status(backend.resolve_arch(arch))
 
 
 @dataclass
@@ -72,19 +73,21 @@ class Engine:
             raise EngineError(f"pinned={pinned!r}; expected one of {list(PINNED_MODES)}")
         if graph not in GRAPHS:
             raise EngineError(f"graph={graph!r}; expected one of {list(GRAPHS)}")
-        loaded, why = pinned_library_status()
-        if pinned == "on" and not loaded:
-            raise PinnedUnavailable(f"pinned='on' but the pinned library is not loaded: {why}")
-        if graph == "serving":
-            raise PinnedUnavailable(
-                "graph='serving' stages SWA rows into llama.cpp's cell order for the pinned kernel, which this "
-                "build does not have yet; use graph='teacher'")
         if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
             raise EngineError(f"capacity={capacity!r}; expected a positive integer")
+        loaded, why = pinned_library_status(arch)
+        if pinned == "on" and not loaded:
+            raise PinnedUnavailable(f"pinned='on' but the pinned library is not loaded: {why}")
+        if pinned == "off":
+            loaded, why = False, "disabled (pinned='off')"
+        if graph == "serving" and not loaded:
+            raise PinnedUnavailable(
+                f"graph='serving' stages SWA rows into llama.cpp's cell order for the pinned kernel, which is "
+                f"not loaded: {why}")
         self.cfg = cfg
         self.arch = backend.activate(arch)
         self._generation = backend.generation()
-        self.pinned_loaded = loaded and pinned != "off"
+        self.pinned_loaded = loaded
         self.pinned_description = why
         self.graph = graph
         self._forced = self._parse_force(force)
@@ -114,18 +117,20 @@ class Engine:
         self._splitk, self._reduce_f32, _ = build_splitk(D, G, KV, H, gpu)
         self._interleaved, self._reduce_v2 = build_interleaved(D, G, KV, H, gpu)
         self._stores = {kind: build_stores(D, KV, LAYOUT_OF[kind]) for kind in self.planes}
-        n_max = max((len(ps.layers) for ps in self.planes.values()), default=1)
-        self._partials = ti.ndarray(ti.f32, (n_max, H, MAX_WORKGROUPS, 2 + D))
-        # CPU scratch for one block of scores per work item; the GPU path keeps them in shared memory.
-        n_items = n_max * KV * MAX_WORKGROUPS if not gpu else 1
-        self._scores = ti.ndarray(ti.f32, (n_items, G, BLOCK_ROWS))
-        self._row_buf = ti.ndarray(ti.f32, (n_items, D))
+        self._gpu = gpu
+        self._partials: dict[int, object] = {}  # group size -> [n_group, H, workgroups, 2 + D] scratch
         self._no_visits = ti.ndarray(ti.i32, (1, 1))
         self._out = ti.ndarray(ti.f32, (g.n_layers, H, D))
         self._q = ti.ndarray(ti.f32, (g.n_layers, H, D))
         self._k_cur = ti.ndarray(ti.f32, (g.n_layers, KV, D))
         self._v_cur = ti.ndarray(ti.f32, (g.n_layers, KV, D))
         self._groups: dict[tuple[int, ...], _Group] = {}
+        self._graphs: dict[tuple, object] = {}  # GPU: compiled step graphs by dispatch structure
+        self._recorded = None
+        self._llama_runners: dict[int, object] = {}  # group size -> ggml graph runner (pinned rung, CPU)
+        self._serving = None
+        if graph == "serving" and SWA in self.planes:
+            self._serving = llama_rung.ServingCache(len(self.planes[SWA].layers), g.window, g.n_ubatch, KV, D)
 
         self.position = 0
         self.launches_last_step = 0  # kernel launches the last step made (does not grow with layer count)
@@ -232,6 +237,12 @@ class Engine:
             self._stores[kind].store_tokens(self._host_or_dev(k), self._host_or_dev(v), self._k[kind], self._v[kind],
                                             grp.layers_dev, grp.slots_dev, len(ps.layers), rows_dev, first, len(rows))
             ps.state = new_states[kind]
+        if self._serving is not None:
+            keep = min(n, self._serving.cells)
+            swa = list(self.planes[SWA].layers)
+            for t in range(n - keep, n):
+                rows = k[t][swa].astype(np.float16), v[t][swa].astype(np.float16)
+                self._serving.stage(self.position + t, *rows)
         self.position += n
 
     def step(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -256,13 +267,14 @@ class Engine:
             for layer, kind in enumerate(g.layer_kinds)
         ]
         pinned = sorted({r for r in routes if r in ladder.PINNED_ROUTES})
-        if pinned:
+        if pinned and not self.pinned_loaded:
             raise PinnedUnavailable(
                 f"the ladder chose {pinned} ({ladder.STRICT_ENV} set or pinned forced) but the pinned library is not "
                 f"loaded: {self.pinned_description}")
 
         # ---- commit: from here on the token is accepted ----
         self.launches_last_step = 0
+        self._recorded = [] if self._gpu else None  # GPU: replay the step's dispatches as one ti.graph
         for kind, st in new_states.items():
             self._ensure_capacity(kind, st.capacity)
         self._q_dev = self._upload(self._q, q)
@@ -279,12 +291,31 @@ class Engine:
             # kv_store_f16: every SWA layer stores first; splitk reads the row back from the plane.
             self._launch(self._stores[SWA].store_token, k_dev, v_dev, self._k[SWA], self._v[SWA], grp.layers_dev, grp.slots_dev,
                                           len(grp.layers), st.physical(p))
+        if self._serving is not None:
+            # llama's cell order is kept up to date on every token, whichever route runs, so the
+            # pinned kernel finds the cache llama.cpp would have.
+            ring = self._host_plane(SWA)
+            row = new_states[SWA].physical(p)
+            self._serving.stage(p, ring[0][:, row], ring[1][:, row])
+        if ladder.LLAMA_VEC_SWA in by_route:
+            self._run_llama(SWA, tuple(by_route[ladder.LLAMA_VEC_SWA]), new_states[SWA], p, q, out)
+        if ladder.LLAMA_VEC_NOPE in by_route:
+            layers = tuple(by_route[ladder.LLAMA_VEC_NOPE])
+            grp = self._group(layers)
+            st = new_states[NOPE]
+            # kv_store_batch_f16, then the pinned kernel reads the head-major plane (store first, no bypass)
+            self._launch(self._stores[NOPE].store_token, k_dev, v_dev, self._k[NOPE], self._v[NOPE], grp.layers_dev,
+                         grp.slots_dev, len(layers), st.physical(p))
+            self._run_llama(NOPE, layers, st, p, q, out)
         if ladder.SPLITK in by_route:
             self._run_producer(self._splitk, self._reduce_f32, SWA, tuple(by_route[ladder.SPLITK]),
                                new_states[SWA], p, k_dev, v_dev, out_dev)
         if ladder.INTERLEAVED in by_route:
             self._run_producer(self._interleaved, self._reduce_v2, NOPE, tuple(by_route[ladder.INTERLEAVED]),
                                new_states[NOPE], p, k_dev, v_dev, out_dev)
+        if self._recorded is not None:
+            self._replay(self._recorded)
+            self._recorded = None
         for kind, st in new_states.items():
             self.planes[kind].state = st
         self.position = p + 1
@@ -308,6 +339,8 @@ class Engine:
             raise EngineError(str(exc)) from None
         for kind, st in new_states.items():
             self.planes[kind].state = st
+        if self._serving is not None:
+            self._serving.forget_from(position)
         self.position = position
 
     # ---- inspection ----------------------------------------------------------------------------
@@ -381,15 +414,134 @@ class Engine:
         self._k[kind], self._v[kind] = k_new, v_new
         ps.state = ps.state.with_capacity(capacity)
 
+    def _partials_for(self, n_group: int, nwg: int):
+        """Partials scratch for a group, grown (to a power of two workgroups) when a launch needs more."""
+        buf = self._partials.get(n_group)
+        if buf is None or buf.shape[2] < nwg:
+            cap = max(MAX_WORKGROUPS, 1 << (nwg - 1).bit_length())
+            g = self.cfg
+            buf = self._partials[n_group] = ti.ndarray(ti.f32, (n_group, g.n_heads, cap, 2 + g.head_dim))
+        return buf
+
+    def split_geometry(self, visible: int, n_group: int) -> tuple[int, int]:
+        """(workgroups, simdgroups) of a producer launch: the chapter's rule on the CPU; on a GPU the same
+        ownership with more workgroups so one launch fills the card (kernels/splitk.py says why)."""
+        if self._gpu:
+            return gpu_split_geometry(visible, n_group * self.cfg.n_kv_heads)
+        return splitk_geometry(visible)
+
     def _run_producer(self, producer, reduce, kind, layers, st: PlaneState, p, k_dev, v_dev, out_dev):
         grp = self._group(layers)
         _, visible = visible_span(self.cfg, kind, p)
-        nwg, nsg = splitk_geometry(visible)
-        self._launch(producer, self._q_dev, k_dev, v_dev, self._k[kind], self._v[kind], self._partials, self._scores, self._row_buf, self._no_visits,
+        nwg, nsg = self.split_geometry(visible, len(layers))
+        partials = self._partials_for(len(layers), nwg)
+        self._launch(producer, self._q_dev, k_dev, v_dev, self._k[kind], self._v[kind], partials, self._no_visits,
                  grp.layers_dev, grp.slots_dev, len(layers), p, window_of(self.cfg, kind), st.capacity,
                  st.origin_logical, st.origin_physical, nwg, nsg, self.cfg.attention_scale)
-        self._launch(reduce, self._partials, out_dev, grp.layers_dev, len(layers), nwg)
+        self._launch(reduce, partials, out_dev, grp.layers_dev, len(layers), nwg)
+
+    def _host_plane(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """Zero-copy numpy views of a class's K and V planes (CPU backend: Taichi's own memory)."""
+        from .ggml_flash_attn import taichi_plane
+
+        views = []
+        for arr in (self._k[kind], self._v[kind]):
+            raw = taichi_plane(arr)
+            buf = (ctypes.c_uint16 * raw.n_elems).from_address(raw.addr)
+            views.append(np.frombuffer(buf, dtype=np.float16).reshape(arr.shape))
+        return views[0], views[1]
+
+    def _llama_runner(self, n_nodes: int):
+        runner = self._llama_runners.get(n_nodes)
+        if runner is None:
+            from .ggml_flash_attn import GgmlFlashAttn
+
+            g = self.cfg
+            runner = GgmlFlashAttn(g.head_dim, g.n_heads, g.n_kv_heads, g.attention_scale,
+                                   llama_rung.default_threads(), n_nodes=n_nodes)
+            self._llama_runners[n_nodes] = runner
+        return runner
+
+    def _run_llama(self, kind: str, layers: tuple[int, ...], st: PlaneState, p: int, q: np.ndarray, out) -> None:
+        """llama.cpp's vec kernel over the planes in place: one graph compute for all the route's layers."""
+        from .ggml_flash_attn import KVView
+
+        g = self.cfg
+        kp, vp = self._host_plane(kind)
+        views = []
+        for layer in layers:
+            slot = self._slot[layer]
+            if kind == SWA and self._serving is not None:
+                n_kv, mask = self._serving.view(p)
+                k_plane, v_plane, first = self._serving.k[slot], self._serving.v[slot], 0
+            elif kind == SWA:
+                first, n_kv, mask = llama_rung.ring_view(st, p, g.window)
+                k_plane, v_plane = kp[slot], vp[slot]
+            else:
+                first, n_kv, mask = 0, p + 1, None
+                k_plane, v_plane = kp[slot], vp[slot]
+            # row stride: a full token row (n_kv*head_dim halves) token-major, one head row head-major
+            rs, hs = (g.n_kv_heads * g.head_dim, g.head_dim) if kind == SWA else (g.head_dim, st.capacity * g.head_dim)
+            views.append(KVView(k_plane, v_plane, first, n_kv, rs, hs, mask))
+        self.launches_last_step += 1
+        result = self._llama_runner(len(layers)).attend_many(q[list(layers)], views)
+        out[list(layers)] = result
 
     def _launch(self, kernel, *args):
         self.launches_last_step += 1
-        kernel(*args)
+        if getattr(self, "_recorded", None) is not None:
+            self._recorded.append((kernel, args))
+        else:
+            kernel(*args)
+
+    def _replay(self, dispatches) -> None:
+        """Run a step's dispatch list as a compiled ti.graph: one host call instead of a Python launch
+        per kernel (~60 us each on CUDA).  The graph is keyed by the kernels and the arrays they bind;
+        scalars (position, origins, split geometry) are graph arguments, so one graph serves every token
+        until a plane is reallocated or the route mix changes."""
+        key, values = [], {}
+        for i, (kernel, args) in enumerate(dispatches):
+            sig = []
+            for j, a in enumerate(args):
+                name = f"d{i}a{j}"
+                values[name] = a
+                sig.append(id(a) if isinstance(a, ti.Ndarray) else type(a).__name__)
+            key.append((id(kernel), tuple(sig)))
+        key = tuple(key)
+        graph = self._graphs.get(key)
+        if graph is None:
+            builder = ti.graph.GraphBuilder()
+            for i, (kernel, args) in enumerate(dispatches):
+                builder.dispatch(kernel, *[self._graph_arg(f"d{i}a{j}", a) for j, a in enumerate(args)])
+            graph = self._graphs[key] = builder.compile()
+        # arrays bound at build time are part of the key; pass them again (graphs take them per run)
+        graph.run(values)
+
+    @staticmethod
+    def _graph_arg(name: str, a):
+        if isinstance(a, ti.Ndarray):
+            return ti.graph.Arg(ti.graph.ArgKind.NDARRAY, name, dtype=a.dtype, ndim=len(a.shape))
+        if isinstance(a, float):
+            return ti.graph.Arg(ti.graph.ArgKind.SCALAR, name, ti.f32)
+        return ti.graph.Arg(ti.graph.ArgKind.SCALAR, name, ti.i32)
+
+    # ---- snapshots (muser_ti/snapshot.py) ------------------------------------------------------
+    def save(self, path) -> None:
+        """Write this session (planes, origins, position, geometry) to a safetensors file, atomically."""
+        from .snapshot import save_engine
+
+        save_engine(self, path)
+
+    def load(self, path) -> None:
+        """Replace this session with a saved one; a bad or mismatched file is refused, state unchanged."""
+        from .snapshot import restore_into
+
+        restore_into(self, path)
+
+    @classmethod
+    def from_snapshot(cls, path, arch: str = "auto", pinned: str = "auto", graph: str | None = None,
+                      force=None) -> "Engine":
+        """A new engine holding the session saved in ``path`` (its geometry and session capacity)."""
+        from .snapshot import load_engine
+
+        return load_engine(path, arch=arch, pinned=pinned, graph=graph, force=force)

@@ -13,6 +13,10 @@ F32_ROUTE_RTOL = 1e-5
 # f16 output variant of the splitk reducer: one final rounding to f16 (2^-11 relative) on top.
 F16_OUTPUT_RTOL = 1e-3
 
-# llama.cpp's CPU flash_attn_ext rounds Q to f16 and keeps its V accumulator in f16 (ggml-cpu ops.cpp):
-# ~2^-11 per step of rounding, accumulated: about 1e-3 relative.
-LLAMA_CPU_RTOL = 4e-3
+# llama.cpp's CPU flash_attn_ext (the pinned rung off macOS) rounds Q to f16 and keeps its V accumulator
+# in f16, rounded after every key (ggml-cpu ops.cpp).  Its error therefore scales with |V|, not with the
+# output (an averaged output can be far smaller than V): bound max|out - ref| <= LLAMA_CPU_VTOL * max|V|.
+# Observed: <= 1.4e-3 * max|V| at up to 2,048 rows.  Limit of ggml's own arithmetic: the f16 accumulator
+# overflows to inf once sum_j exp(s_j - max) * v_j passes 65504 (e.g. flat attention over V = 1000 past
+# ~65 rows); tests keep V modest on this rung for that reason.
+LLAMA_CPU_VTOL = 3e-3

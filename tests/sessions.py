@@ -5,7 +5,7 @@ import numpy as np
 import muser_ti as mt
 from muser_ti import ladder
 from muser_ti.reference import relative_error
-from muser_ti.tolerances import F32_ROUTE_RTOL
+from muser_ti.tolerances import F32_ROUTE_RTOL, LLAMA_CPU_VTOL
 
 
 def geometry(n_heads=8, n_kv_heads=2, head_dim=64, window=64, n_layers=4, pattern=("swa", "swa", "swa", "nope"),
@@ -37,6 +37,7 @@ class Session:
         self.dist = dist
         self.worst = 0.0
         self.history_k = []  # f32 k per position, to aim peaked queries at a past key
+        self.max_abs_v = 0.0  # the llama rung's error bound scales with |V| (its accumulator is f16)
 
     def token(self):
         c, rng = self.cfg, self.rng
@@ -65,12 +66,23 @@ class Session:
         q, k, v = self.token()
         out = self.eng.step(q, k, v)
         self.history_k.append(k)
+        self.max_abs_v = max(self.max_abs_v, float(np.abs(v).max()))
         if check:
-            err = relative_error(out, self.eng.reference(q, k, v))
-            self.worst = max(self.worst, err)
-            assert err <= F32_ROUTE_RTOL, (
-                f"position {self.eng.position - 1}: rel error {err:.3g} > {F32_ROUTE_RTOL} on routes {set(self.eng.routes)}")
+            self.check(out, self.eng.reference(q, k, v))
         return out
+
+    def check(self, out, ref):
+        """Per layer: own routes to the f32 bound; the llama rung to its bound on the scale of V."""
+        for layer, route in enumerate(self.eng.routes):
+            if route in ladder.PINNED_ROUTES:
+                err = float(np.abs(out[layer] - ref[layer]).max()) / self.max_abs_v
+                bound = LLAMA_CPU_VTOL
+            else:
+                err = relative_error(out[layer], ref[layer])
+                bound = F32_ROUTE_RTOL
+            self.worst = max(self.worst, err)
+            assert err <= bound, (
+                f"position {self.eng.position - 1}, layer {layer}, route {route}: error {err:.3g} > {bound}")
 
     def prefill(self, n):
         c = self.cfg
@@ -78,6 +90,7 @@ class Session:
         v = self.rng.standard_normal((n, c.n_layers, c.n_kv_heads, c.head_dim)).astype(np.float32)
         self.eng.prefill(k, v)
         self.history_k.extend(k)
+        self.max_abs_v = max(self.max_abs_v, float(np.abs(v).max()))
 
     def rewind(self, position):
         self.eng.rewind(position)

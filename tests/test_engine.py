@@ -31,7 +31,7 @@ def assert_unchanged(before, after):
 def test_rewind_reproduces_a_session_that_never_saw_the_dropped_tokens(arch, geom):
     cfg = geometry(window=48, slack=16, **GEOMETRIES[geom])
     kept, dropped, after = stream(cfg, 70, 1), stream(cfg, 9, 2), stream(cfg, 20, 3)
-    a, b = mt.Engine(cfg, arch=arch), mt.Engine(cfg, arch=arch)
+    a, b = mt.Engine(cfg, arch=arch, pinned="off"), mt.Engine(cfg, arch=arch, pinned="off")
     for tok in kept:
         a.step(*tok)
         b.step(*tok)
@@ -47,7 +47,7 @@ def test_rewind_reproduces_a_session_that_never_saw_the_dropped_tokens(arch, geo
 def test_current_token_bypass(arch):
     """The interleaved route attends the current token as f32 activations, never its f16 plane copy."""
     cfg = geometry(window=64, **GEOMETRIES["gqa4-d64"])
-    eng = mt.Engine(cfg, arch=arch)
+    eng = mt.Engine(cfg, arch=arch, pinned="off")
     s = Session(eng, seed=11)
     s.prefill(20)
     q, k, v = s.token()
@@ -74,7 +74,7 @@ def test_current_token_bypass(arch):
 
 def test_f16_output_reducer_is_the_f32_result_rounded(arch):
     cfg = geometry(window=64, **GEOMETRIES["gqa4-d64"])
-    eng = mt.Engine(cfg, arch=arch)
+    eng = mt.Engine(cfg, arch=arch, pinned="off")
     s = Session(eng, seed=12)
     s.prefill(100)
     q, k, v = s.token()
@@ -97,7 +97,7 @@ def test_launches_per_token_do_not_grow_with_layers(arch):
     counts = []
     for n_layers in (4, 16):
         cfg = geometry(window=64, n_layers=n_layers, **GEOMETRIES["gqa4-d64"])
-        s = Session(mt.Engine(cfg, arch=arch), seed=3)
+        s = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=3)
         s.prefill(80)
         s.step(check=False)
         counts.append(s.eng.launches_last_step)
@@ -116,7 +116,7 @@ def test_launches_per_token_do_not_grow_with_layers(arch):
 ])
 def test_bad_input_is_refused_and_changes_nothing(arch, bad, fragment):
     cfg = geometry(window=64, **GEOMETRIES["gqa4-d64"])
-    s = Session(mt.Engine(cfg, arch=arch), seed=4)
+    s = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=4)
     s.prefill(70)
     s.step()
     before, pos, counts = s.eng.planes_snapshot(), s.eng.position, dict(s.eng.route_counts)
@@ -130,7 +130,7 @@ def test_bad_input_is_refused_and_changes_nothing(arch, bad, fragment):
 
 def test_position_limits(arch):
     cfg = geometry(window=8, max_context=40, **GEOMETRIES["gqa4-d64"])
-    s = Session(mt.Engine(cfg, arch=arch), seed=8)
+    s = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=8)
     with pytest.raises(EngineError, match="passes max_context=40"):
         s.prefill(41)
     s.prefill(39)
@@ -143,13 +143,13 @@ def test_position_limits(arch):
 
 def test_forced_routes(arch):
     cfg = geometry(window=64, **GEOMETRIES["gqa4-d64"])
-    eng = mt.Engine(cfg, arch=arch, force="splitk")
+    eng = mt.Engine(cfg, arch=arch, pinned="off", force="splitk")
     s = Session(eng, seed=9)
     s.step()
     assert eng.routes == ["splitk", "splitk", "splitk", "interleaved"]
     with pytest.raises(RouteError, match="serves swa layers; layer 3 is nope"):
-        Session(mt.Engine(cfg, arch=arch, force={3: "splitk"})).step()
-    forced = mt.Engine(cfg, arch=arch, force="llama_vec_swa")
+        Session(mt.Engine(cfg, arch=arch, pinned="off", force={3: "splitk"})).step()
+    forced = mt.Engine(cfg, arch=arch, pinned="off", force="llama_vec_swa")
     s = Session(forced, seed=9)
     with pytest.raises(RouteError, match="'llama_vec_swa' forced on layer 0 but its predicate fails"):
         s.step()
@@ -157,18 +157,23 @@ def test_forced_routes(arch):
 
 
 def test_pinned_modes_without_the_library(arch, monkeypatch):
+    """With no pinned library (simulated here, so the test means the same on every machine)."""
+    from muser_ti import llama_rung
+
+    monkeypatch.setattr(llama_rung, "pinned_status", lambda arch: (False, "simulated: not installed"))
     cfg = geometry(window=64, **GEOMETRIES["gqa4-d64"])
-    with pytest.raises(PinnedUnavailable, match="pinned='on'"):
+    with pytest.raises(PinnedUnavailable, match="pinned='on' but the pinned library is not loaded: simulated"):
         mt.Engine(cfg, arch=arch, pinned="on")
     with pytest.raises(PinnedUnavailable, match="graph='serving'"):
         mt.Engine(cfg, arch=arch, graph="serving")
     with pytest.raises(EngineError, match="pinned="):
         mt.Engine(cfg, arch=arch, pinned="maybe")
-    eng = mt.Engine(cfg, arch=arch, pinned="off")
+    eng = mt.Engine(cfg, arch=arch)  # auto: falls to the project's kernels
+    assert not eng.pinned_loaded and eng.pinned_description == "simulated: not installed"
     s = Session(eng, seed=10)
     s.step()
     # The cross-vendor switch turns the vec clause on without a library: the ladder picks the vec
-    # routes, which this build cannot dispatch, so the token is refused before anything is written.
+    # routes, which cannot be dispatched, so the token is refused before anything is written.
     monkeypatch.setenv(ladder.STRICT_ENV, "1")
     before = eng.planes_snapshot()
     with pytest.raises(PinnedUnavailable, match="llama_vec_nope"):

@@ -57,17 +57,15 @@ def run_recording(family, visible, nwg, nsg):
     q = rng.standard_normal((1, H, D)).astype(np.float32)
     kc = rng.standard_normal((1, KV, D)).astype(np.float32)
     partials = np.zeros((1, H, 32, 2 + D), np.float32)
-    scores = np.zeros((KV * 32, G, 32), np.float32)
-    row_buf = np.zeros((KV * 32, D), np.float32)
     blocks = (visible + 31) // 32
     visits = np.zeros((1, blocks), np.int32)
     layers = np.zeros(1, np.int32)
-    args = [q, kc, kc.copy(), kp, vp, partials, scores, row_buf, visits, layers, layers, 1, visible - 1,
+    args = [q, kc, kc.copy(), kp, vp, partials, visits, layers, layers, 1, visible - 1,
             window, capacity, 0, 0, nwg, nsg, 0.125]
     if gpu:  # GPU kernels take device arrays
         args = [_dev(a) if isinstance(a, np.ndarray) else a for a in args]
         producer(*args)
-        return args[8].to_numpy()[0]
+        return args[6].to_numpy()[0]
     producer(*args)
     return visits[0]
 

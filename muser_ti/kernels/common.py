@@ -18,7 +18,6 @@ RUNNING_MAX_INIT = -3.402823466e38  # finite: exp(M_old - M_new) is 0 on the fir
 f16_plane = ti.types.ndarray(dtype=ti.f16, ndim=4)
 f32_3d = ti.types.ndarray(dtype=ti.f32, ndim=3)
 f32_4d = ti.types.ndarray(dtype=ti.f32, ndim=4)
-f32_2d = ti.types.ndarray(dtype=ti.f32, ndim=2)
 i32_1d = ti.types.ndarray(dtype=ti.i32, ndim=1)
 i32_2d = ti.types.ndarray(dtype=ti.i32, ndim=2)
 

@@ -15,12 +15,19 @@ simdgroup ``b % nsg``; a workgroup therefore owns runs of ``nsg`` consecutive bl
 ``(M, S, O)`` per head and a per-block online-softmax update (block max, rescale, accumulate).
 
 Two code paths from one source, chosen by ``ti.static``:
-* CPU (serial): the outer loop over work items is what Taichi parallelises; inside, straight-line f32
-  arithmetic over static ranges that LLVM can vectorise.
+* CPU (serial): the outer loop over work items is what Taichi parallelises.  Inside, Q, the block's
+  weights and the output accumulator live in local arrays with the G sibling heads contiguous
+  (qT[d, h], P[r, h], OT[d, h]); the static head loops become 8-wide SIMD with no reduction over d
+  (Taichi runs with fast_math off, so LLVM may not reorder one).  Known deficit: Taichi's CPU JIT
+  emits no FMA and indexes ndarrays with 32-bit arithmetic LLVM cannot prove contiguous, so K/V
+  loads stay scalar; docs/PERF.md measures what that costs against ggml.  The large local matrices
+  make a cold compile take ~30-55 s per kernel (Taichi's offline cache keeps it after that).
 * GPU (CUDA, Vulkan, Metal): a workgroup of WORKGROUP_THREADS threads stages Q, then each 32-row K
   tile and V tile, in shared memory; threads split the scores and the (head, d) accumulators.
 """
 
+
+import math
 
 import taichi as ti
 
@@ -35,7 +42,6 @@ from .common import (
     f32_4d,
     i32_1d,
     i32_2d,
-    f32_2d,
 )
 
 VISIT_OWNER = 64  # record mode adds 1 + 64*workgroup per visit: count = v % 64, owner = v // 64 (one visit)
@@ -53,10 +59,23 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
     C = BLOCK_ROWS
     T = WORKGROUP_THREADS
     TILE_STRIDE = D + 1  # pad shared K/V tiles by one float so threads reading different rows hit different banks
-    N_ACC = (G * D + T - 1) // T
-    N_SCORE = (G * C + T - 1) // T
     Q_IN_SHARED = G * D <= Q_SHARED_LIMIT_FLOATS
+    CPU_ROWS = 4  # CPU: K/V rows per register block (divides BLOCK_ROWS)
     assert G <= T, "the GPU path keeps one head's softmax state per thread"
+    # GPU register blocking.  Scores: HB heads x RB rows per thread over a tile of TILE_ROWS rows, so a
+    # shared load of q or k feeds RB or HB FMAs.  V: VH heads x VD dims per thread.
+    TILE_ROWS = 64 if D <= 128 else 32  # tile [TILE_ROWS][D+1] f32: 33 KiB at D=128, within 48 KiB with Q
+    HB = math.gcd(G, 4)
+    HEAD_GROUPS = G // HB
+    SCORE_GROUPS = max(1, T // HEAD_GROUPS)  # threads along rows; tid // SCORE_GROUPS picks the head group
+    RB = -(-TILE_ROWS // SCORE_GROUPS)
+    SH_STEP, SR_STEP = HEAD_GROUPS, SCORE_GROUPS
+    VD = 4
+    V_DGROUPS = D // VD
+    VH_GROUPS = T // V_DGROUPS
+    VH = -(-G // VH_GROUPS)
+    VH_STEP, VD_STEP = VH_GROUPS, V_DGROUPS
+    assert HEAD_GROUPS <= T and V_DGROUPS <= T
 
     @ti.func
     def row_value(plane: ti.template(), cur: ti.template(), layer, slot, kvh, logical, physical, position, d):
@@ -104,7 +123,7 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
     @ti.kernel
     def producer(
         q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, k_plane: f16_plane, v_plane: f16_plane,
-        partials: f32_4d, scores: f32_3d, row_buf: f32_2d, visits: i32_2d,
+        partials: f32_4d, visits: i32_2d,
         layers: i32_1d, slots: i32_1d, n_group: ti.i32,
         position: ti.i32, window: ti.i32, capacity: ti.i32, origin_logical: ti.i32, origin_physical: ti.i32,
         nwg: ti.i32, nsg: ti.i32, scale: ti.f32,
@@ -126,11 +145,17 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
                         row = physical_of(position, capacity, origin_logical, origin_physical)
                         for d in range(D):
                             fused_store(k_cur, v_cur, k_plane, v_plane, layer, slot, kvh, row, d)
+                # Everything hot lives in local (stack) arrays, vectorised across the G sibling heads:
+                # qT[d, h] and OT[d, h] keep the heads contiguous, so the static head loops below
+                # become 8-wide SIMD (no reductions over d, so no fast-math reassociation needed).
+                qT = ti.Matrix.zero(ti.f32, D, G)
+                OT = ti.Matrix.zero(ti.f32, D, G)
+                P = ti.Matrix.zero(ti.f32, C, G)  # scores, then softmax weights, of one block
                 m = ti.Vector([RUNNING_MAX_INIT] * G)
                 s = ti.Vector([0.0] * G)
-                for h in range(G):
-                    for d in range(D):
-                        partials[g, kvh * G + h, wg, 2 + d] = 0.0
+                for d in range(D):
+                    for h in ti.static(range(G)):
+                        qT[d, h] = q[layer, kvh * G + h, d]
                 block = wg * nsg
                 chunk_pos = 0
                 while block < n_blocks:
@@ -138,49 +163,75 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
                         ti.atomic_add(visits[g, block], 1 + VISIT_OWNER * wg)
                     first = block * C
                     count = ti.min(C, visible - first)
-                    # scores of the block for all sibling heads; each K row converted once
-                    for r in range(count):
-                        logical = logical_start + first + r
-                        phys = physical_of(logical, capacity, origin_logical, origin_physical)
+                    # scores: CPU_ROWS rows at a time (a partial tail repeats the last row, unused)
+                    for rr in range((count + CPU_ROWS - 1) // CPU_ROWS):
+                        logicals = ti.Vector([0] * CPU_ROWS)
+                        physs = ti.Vector([0] * CPU_ROWS)
+                        for j in ti.static(range(CPU_ROWS)):
+                            logicals[j] = logical_start + first + ti.min(rr * CPU_ROWS + j, count - 1)
+                            physs[j] = physical_of(logicals[j], capacity, origin_logical, origin_physical)
+                        acc = ti.Matrix.zero(ti.f32, CPU_ROWS, G)
                         for d in range(D):
-                            row_buf[item, d] = row_value(k_plane, k_cur, layer, slot, kvh, logical, phys, position, d)
-                        for h in range(G):
-                            dot = 0.0
-                            for d in range(D):
-                                dot += q[layer, kvh * G + h, d] * row_buf[item, d]
-                            scores[item, h, r] = dot * scale
+                            for j in ti.static(range(CPU_ROWS)):
+                                kd = row_value(k_plane, k_cur, layer, slot, kvh, logicals[j], physs[j], position, d)
+                                for h in ti.static(range(G)):
+                                    acc[j, h] = acc[j, h] + qT[d, h] * kd
+                        for j in ti.static(range(CPU_ROWS)):
+                            for h in ti.static(range(G)):
+                                P[rr * CPU_ROWS + j, h] = acc[j, h] * scale
                     # online softmax per block: block max, rescale, weights
-                    for h in range(G):
-                        block_max = scores[item, h, 0]
+                    factor = ti.Vector([0.0] * G)
+                    for h in ti.static(range(G)):
+                        block_max = P[0, h]
                         for r in range(1, count):
-                            block_max = ti.max(block_max, scores[item, h, r])
+                            block_max = ti.max(block_max, P[r, h])
                         new_max = ti.max(m[h], block_max)
-                        factor = ti.exp(m[h] - new_max)
+                        factor[h] = ti.exp(m[h] - new_max)
                         m[h] = new_max
-                        s[h] *= factor
-                        for d in range(D):
-                            partials[g, kvh * G + h, wg, 2 + d] = partials[g, kvh * G + h, wg, 2 + d] * factor
-                        for r in range(count):
-                            w = ti.exp(scores[item, h, r] - new_max)
-                            scores[item, h, r] = w
-                            s[h] += w
-                    # V pass: each V row converted once, accumulated into every head
+                        s[h] *= factor[h]
                     for r in range(count):
-                        logical = logical_start + first + r
-                        phys = physical_of(logical, capacity, origin_logical, origin_physical)
+                        for h in ti.static(range(G)):
+                            w = ti.exp(P[r, h] - m[h])
+                            P[r, h] = w
+                            s[h] += w
+                    for d in range(D):
+                        for h in ti.static(range(G)):
+                            OT[d, h] = OT[d, h] * factor[h]
+                    # V pass: CPU_ROWS rows at a time; rows past count get weight 0
+                    for rr in range((count + CPU_ROWS - 1) // CPU_ROWS):
+                        logicals = ti.Vector([0] * CPU_ROWS)
+                        physs = ti.Vector([0] * CPU_ROWS)
+                        wts = ti.Matrix.zero(ti.f32, CPU_ROWS, G)
+                        for j in ti.static(range(CPU_ROWS)):
+                            r = rr * CPU_ROWS + j
+                            logicals[j] = logical_start + first + ti.min(r, count - 1)
+                            physs[j] = physical_of(logicals[j], capacity, origin_logical, origin_physical)
+                            if r < count:
+                                for h in ti.static(range(G)):
+                                    wts[j, h] = P[r, h]
                         for d in range(D):
-                            row_buf[item, d] = row_value(v_plane, v_cur, layer, slot, kvh, logical, phys, position, d)
-                        for h in range(G):
-                            w = scores[item, h, r]
-                            for d in range(D):
-                                # plain assignment, not +=: += on an ndarray is an atomic add
-                                partials[g, kvh * G + h, wg, 2 + d] = partials[g, kvh * G + h, wg, 2 + d] + w * row_buf[item, d]
+                            vds = ti.Vector([0.0] * CPU_ROWS)
+                            for j in ti.static(range(CPU_ROWS)):
+                                vds[j] = row_value(v_plane, v_cur, layer, slot, kvh, logicals[j], physs[j], position, d)
+                            for h in ti.static(range(G)):
+                                o = OT[d, h]
+                                for j in ti.static(range(CPU_ROWS)):
+                                    o = o + wts[j, h] * vds[j]
+                                OT[d, h] = o
                     block, chunk_pos = next_owned(block, chunk_pos, nwg, nsg)
                 for h in ti.static(range(G)):
                     partials[g, kvh * G + h, wg, 0] = m[h]
                     partials[g, kvh * G + h, wg, 1] = s[h]
+                for d in range(D):
+                    for h in ti.static(range(G)):
+                        partials[g, kvh * G + h, wg, 2 + d] = OT[d, h]
         else:
             # ---------------- GPU: one workgroup per (layer, kv head, workgroup), shared tiles -------
+            # A tile is TILE_ROWS rows of the workgroup's current run of owned blocks (a run is nsg
+            # consecutive blocks).  Scores are register-blocked HB heads x RB rows per thread and the
+            # V accumulators VH heads x VD dims per thread, so each shared-memory load feeds several
+            # FMAs: shared bandwidth, not arithmetic, bounds this kernel (Taichi has no vector
+            # shared loads, warp shuffles only on CUDA, and no tensor cores).
             ti.loop_config(block_dim=T)
             for t in range(n_group * KV * nwg * T):
                 tid = t % T
@@ -196,8 +247,9 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
                 n_blocks = (visible + C - 1) // C
 
                 q_sh = ti.simt.block.SharedArray((G * D if ti.static(Q_IN_SHARED) else 1,), ti.f32)
-                tile = ti.simt.block.SharedArray((C * TILE_STRIDE,), ti.f32)
-                w_sh = ti.simt.block.SharedArray((G * C,), ti.f32)
+                tile = ti.simt.block.SharedArray((TILE_ROWS * TILE_STRIDE,), ti.f32)
+                w_sh = ti.simt.block.SharedArray((G * TILE_ROWS,), ti.f32)  # scores, then weights [h][r]
+                part = ti.simt.block.SharedArray((G * SCORE_GROUPS,), ti.f32)  # per-(head, row group) max / sum
                 state = ti.simt.block.SharedArray((3 * G,), ti.f32)  # M, S, rescale factor per head
 
                 if ti.static(bypass):
@@ -215,83 +267,120 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
                 if tid < G:
                     state[tid] = RUNNING_MAX_INIT
                     state[G + tid] = 0.0
-                acc = ti.Vector([0.0] * N_ACC)
+                acc = ti.Matrix.zero(ti.f32, VH, VD)
+                # this thread's tiles: scores for heads sh0 + i*SH_STEP, rows sr0 + j*SR_STEP;
+                # outputs for heads vh0 + i*VH_STEP, dims vd0 + j*VD_STEP
+                sh0, sr0 = tid // SCORE_GROUPS, tid % SCORE_GROUPS
+                vh0, vd0 = tid // V_DGROUPS, tid % V_DGROUPS
                 ti.simt.block.sync()
 
-                block = wg * nsg
-                chunk_pos = 0
-                while block < n_blocks:  # uniform across the workgroup: barriers inside are safe
+                run = wg  # the workgroup's k-th run of nsg blocks starts at block (k*nwg + wg)*nsg
+                while run * nsg < n_blocks:  # uniform across the workgroup: barriers inside are safe
+                    run_first = run * nsg * C
+                    run_rows = ti.min(nsg * C, visible - run_first)
                     if ti.static(record):
                         if tid == 0:
-                            ti.atomic_add(visits[g, block], 1 + VISIT_OWNER * wg)
-                    first = block * C
-                    count = ti.min(C, visible - first)
-                    # K tile -> shared (consecutive threads read consecutive halves of a row)
-                    e = tid
-                    while e < C * D:
-                        r, d = e // D, e % D
-                        if r < count:
-                            logical = logical_start + first + r
-                            phys = physical_of(logical, capacity, origin_logical, origin_physical)
-                            tile[r * TILE_STRIDE + d] = row_value(k_plane, k_cur, layer, slot, kvh, logical, phys, position, d)
-                        e += T
-                    ti.simt.block.sync()
-                    for j in ti.static(range(N_SCORE)):
-                        e = tid + j * T
-                        if e < G * C:
-                            h, r = e // C, e % C
+                            b = run * nsg
+                            while b < (run_first + run_rows + C - 1) // C:
+                                ti.atomic_add(visits[g, b], 1 + VISIT_OWNER * wg)
+                                b += 1
+                    tile_first = 0
+                    while tile_first < run_rows:
+                        count = ti.min(TILE_ROWS, run_rows - tile_first)
+                        first = run_first + tile_first
+                        # K tile -> shared (consecutive threads read consecutive halves of a row)
+                        e = tid
+                        while e < TILE_ROWS * D:
+                            r, d = e // D, e % D
                             if r < count:
-                                dot = 0.0
-                                for d in range(D):
+                                logical = logical_start + first + r
+                                phys = physical_of(logical, capacity, origin_logical, origin_physical)
+                                tile[r * TILE_STRIDE + d] = row_value(k_plane, k_cur, layer, slot, kvh, logical, phys, position, d)
+                            e += T
+                        ti.simt.block.sync()
+                        # scores: HB heads x RB rows per thread, one shared load per operand per d
+                        if sh0 < HEAD_GROUPS:
+                            sc = ti.Matrix.zero(ti.f32, HB, RB)
+                            for d in range(D):
+                                kd = ti.Vector([tile[ti.min(sr0 + j * SR_STEP, TILE_ROWS - 1) * TILE_STRIDE + d]
+                                                for j in ti.static(range(RB))])
+                                for i in ti.static(range(HB)):
                                     qd = 0.0
                                     if ti.static(Q_IN_SHARED):
-                                        qd = q_sh[h * D + d]
+                                        qd = q_sh[(sh0 + i * SH_STEP) * D + d]
                                     else:
-                                        qd = q[layer, kvh * G + h, d]
-                                    dot += qd * tile[r * TILE_STRIDE + d]
-                                w_sh[e] = dot * scale
-                    ti.simt.block.sync()
-                    if tid < G:  # one thread per head: block max, rescale, weights
-                        h = tid
-                        old_max = state[h]
-                        block_max = w_sh[h * C]
-                        for r in range(1, count):
-                            block_max = ti.max(block_max, w_sh[h * C + r])
-                        new_max = ti.max(old_max, block_max)
-                        factor = ti.exp(old_max - new_max)
-                        total = state[G + h] * factor
+                                        qd = q[layer, kvh * G + sh0 + i * SH_STEP, d]
+                                    for j in ti.static(range(RB)):
+                                        sc[i, j] = sc[i, j] + qd * kd[j]
+                            for i in ti.static(range(HB)):
+                                h = sh0 + i * SH_STEP
+                                local_max = RUNNING_MAX_INIT
+                                for j in ti.static(range(RB)):
+                                    r = sr0 + j * SR_STEP
+                                    if r < TILE_ROWS:
+                                        value = sc[i, j] * scale
+                                        if r >= count:
+                                            value = RUNNING_MAX_INIT
+                                        w_sh[h * TILE_ROWS + r] = value
+                                        local_max = ti.max(local_max, value)
+                                part[h * SCORE_GROUPS + sr0] = local_max
+                        ti.simt.block.sync()
+                        if tid < G:  # tile max per head
+                            tile_max = part[tid * SCORE_GROUPS]
+                            for j in range(1, SCORE_GROUPS):
+                                tile_max = ti.max(tile_max, part[tid * SCORE_GROUPS + j])
+                            new_max = ti.max(state[tid], tile_max)
+                            state[2 * G + tid] = ti.exp(state[tid] - new_max)
+                            state[tid] = new_max
+                        ti.simt.block.sync()
+                        # weights in parallel: every thread exponentiates its own scores
+                        if sh0 < HEAD_GROUPS:
+                            for i in ti.static(range(HB)):
+                                h = sh0 + i * SH_STEP
+                                local_sum = 0.0
+                                for j in ti.static(range(RB)):
+                                    r = sr0 + j * SR_STEP
+                                    if r < TILE_ROWS:
+                                        w = 0.0
+                                        if r < count:
+                                            w = ti.exp(w_sh[h * TILE_ROWS + r] - state[h])
+                                        w_sh[h * TILE_ROWS + r] = w
+                                        local_sum += w
+                                part[h * SCORE_GROUPS + sr0] = local_sum
+                        # V tile -> shared (every thread is past its reads of the K tile)
+                        e = tid
+                        while e < TILE_ROWS * D:
+                            r, d = e // D, e % D
+                            if r < count:
+                                logical = logical_start + first + r
+                                phys = physical_of(logical, capacity, origin_logical, origin_physical)
+                                tile[r * TILE_STRIDE + d] = row_value(v_plane, v_cur, layer, slot, kvh, logical, phys, position, d)
+                            e += T
+                        ti.simt.block.sync()
+                        if tid < G:
+                            total = 0.0
+                            for j in range(SCORE_GROUPS):
+                                total += part[tid * SCORE_GROUPS + j]
+                            state[G + tid] = state[G + tid] * state[2 * G + tid] + total
+                        # V accumulate: VH heads x VD dims per thread (heads past G: idle lanes)
+                        for i in ti.static(range(VH)):
+                            f = state[2 * G + ti.min(vh0 + i * VH_STEP, G - 1)]
+                            for j in ti.static(range(VD)):
+                                acc[i, j] = acc[i, j] * f
                         for r in range(count):
-                            w = ti.exp(w_sh[h * C + r] - new_max)
-                            w_sh[h * C + r] = w
-                            total = total + w
-                        state[h] = new_max
-                        state[G + h] = total
-                        state[2 * G + h] = factor
-                    # V tile -> shared (the K tile is no longer read)
-                    e = tid
-                    while e < C * D:
-                        r, d = e // D, e % D
-                        if r < count:
-                            logical = logical_start + first + r
-                            phys = physical_of(logical, capacity, origin_logical, origin_physical)
-                            tile[r * TILE_STRIDE + d] = row_value(v_plane, v_cur, layer, slot, kvh, logical, phys, position, d)
-                        e += T
-                    ti.simt.block.sync()
-                    for j in ti.static(range(N_ACC)):
-                        e = tid + j * T
-                        if e < G * D:
-                            h, d = e // D, e % D
-                            a = acc[j] * state[2 * G + h]
-                            for r in range(count):
-                                a += w_sh[h * C + r] * tile[r * TILE_STRIDE + d]
-                            acc[j] = a
-                    ti.simt.block.sync()  # the next block overwrites tile and w_sh
-                    block, chunk_pos = next_owned(block, chunk_pos, nwg, nsg)
+                            vr = ti.Vector([tile[r * TILE_STRIDE + vd0 + j * VD_STEP] for j in ti.static(range(VD))])
+                            for i in ti.static(range(VH)):
+                                w = w_sh[ti.min(vh0 + i * VH_STEP, G - 1) * TILE_ROWS + r]
+                                for j in ti.static(range(VD)):
+                                    acc[i, j] = acc[i, j] + w * vr[j]
+                        ti.simt.block.sync()  # the next tile overwrites tile, w_sh and part
+                        tile_first += TILE_ROWS
+                    run += nwg
 
-                for j in ti.static(range(N_ACC)):
-                    e = tid + j * T
-                    if e < G * D:
-                        partials[g, kvh * G + e // D, wg, 2 + e % D] = acc[j]
+                for i in ti.static(range(VH)):
+                    if vh0 + i * VH_STEP < G:
+                        for j in ti.static(range(VD)):
+                            partials[g, kvh * G + vh0 + i * VH_STEP, wg, 2 + vd0 + j * VD_STEP] = acc[i, j]
                 if tid < G:
                     partials[g, kvh * G + tid, wg, 0] = state[tid]
                     partials[g, kvh * G + tid, wg, 1] = state[G + tid]

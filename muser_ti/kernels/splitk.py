@@ -32,6 +32,22 @@ def splitk_geometry(visible: int) -> tuple[int, int]:
     return nwg, nsg
 
 
+# On a GPU the chapter's cap leaves most of the card idle for a single deep layer: one NoPE layer at
+# 131,072 keys is 2 KV heads x 32 workgroups = 64 workgroups on a 132-SM H200.  The GPU path keeps the
+# chapter's nsg rule and block ownership but lets nwg grow until about GPU_TARGET_WORKGROUPS are in
+# flight per launch (never fewer than the chapter's 32).  docs/PERF.md measures both caps.
+GPU_TARGET_WORKGROUPS = 528  # 132 SMs x 4 resident 128-thread workgroups (~47 KiB shared memory each)
+GPU_MAX_WORKGROUPS = 1024
+
+
+def gpu_split_geometry(visible: int, n_pairs: int, target: int = GPU_TARGET_WORKGROUPS) -> tuple[int, int]:
+    """(n_workgroups, n_simdgroups) on a GPU for ``n_pairs`` (layer, KV head) pairs in one launch."""
+    nwg, nsg = splitk_geometry(visible)
+    runs = -(-((visible + BLOCK_ROWS - 1) // BLOCK_ROWS) // nsg)  # runs of nsg blocks to share out
+    want = max(MAX_DECODE_SPLIT_WORKGROUPS, -(-target // max(n_pairs, 1)))
+    return max(nwg, min(runs, want, GPU_MAX_WORKGROUPS)), nsg
+
+
 def block_owner(block: int, nwg: int, nsg: int) -> tuple[int, int]:
     """(workgroup, simdgroup) owning a block: block = (k*nwg + workgroup)*nsg + simdgroup."""
     return (block // nsg) % nwg, block % nsg

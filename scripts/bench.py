@@ -1,0 +1,381 @@
+#!/usr/bin/env python3
+"""Benchmarks: the project's own routes against peers measured in the same run.
+
+    python scripts/bench.py --arch cpu                      # layers at 2,048/32,768/131,072, steps at 2,048/32,768
+    python scripts/bench.py --arch cpu --json out/bench.json
+
+One layer per route: a one-layer geometry with Glimmer's heads (splitk: an SWA layer whose window is
+the depth; interleaved: a NoPE layer), prefilled to depth-1, then timed as step + rewind(1) so every
+repeat attends exactly `depth` rows.  Whole step: Glimmer's 52 layers at the given depth.
+Peers, same run, same data shapes: ggml's ggml_flash_attn_ext (ggml-python 0.0.45, the pinned
+library) over f16 planes of the same layout; the float64 numpy reference; torch SDPA if torch is
+installed.  Every figure is a median of --repeats runs; GB/s counts the KV bytes the layer must read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import muser_ti as mt  # noqa: E402
+from muser_ti import reference  # noqa: E402
+
+ROUTE_KIND = {"splitk": "swa", "interleaved": "nope"}
+COPY_GB_S = 0.0  # measured device copy bandwidth (GPU runs); the byte floor of every figure
+
+
+def median_time(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cores": os.cpu_count()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return info
+
+
+def cpu_flop_floor_s(flop: float) -> float:
+    """Arithmetic floor on this CPU: cores x clock x 32 FLOP/cycle (two 8-wide f32 FMA ports, AVX2)."""
+    mhz = 2450.0
+    try:
+        mhz = max(float(l.split(":")[1]) for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("cpu MHz"))
+    except (OSError, ValueError):
+        pass
+    return flop / ((os.cpu_count() or 1) * mhz * 1e6 * 32)
+
+
+def prefill(eng: mt.Engine, n: int, rng, chunk: int = 4096) -> None:
+    c = eng.cfg
+    done = 0
+    while done < n:
+        m = min(chunk, n - done)
+        shape = (m, c.n_layers, c.n_kv_heads, c.head_dim)
+        eng.prefill(rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32))
+        done += m
+
+
+def timed_step(eng: mt.Engine, rng, repeats: int, warmup: int = 2) -> tuple[float, np.ndarray]:
+    """Median seconds of eng.step at the engine's depth; rewinds between repeats (untimed) and leaves
+    the last step in place, so the planes then hold exactly what the timed steps attended."""
+    c = eng.cfg
+    q = rng.standard_normal((c.n_layers, c.n_heads, c.head_dim), dtype=np.float32)
+    k = rng.standard_normal((c.n_layers, c.n_kv_heads, c.head_dim), dtype=np.float32)
+    v = rng.standard_normal((c.n_layers, c.n_kv_heads, c.head_dim), dtype=np.float32)
+    p = eng.position
+    times = []
+    for i in range(warmup + repeats):
+        if eng.position > p:
+            eng.rewind(p)
+        t0 = time.perf_counter()
+        eng.step(q, k, v)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[warmup:]), q
+
+
+class Peers:
+    """The peers, each over planes holding the same rows as the engine's."""
+
+    def __init__(self, cfg: mt.Geometry, repeats: int):
+        self.cfg = cfg
+        self.repeats = repeats
+        try:
+            from muser_ti.ggml_flash_attn import GgmlFlashAttn
+
+            self.ggml = GgmlFlashAttn(cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.attention_scale, os.cpu_count())
+        except Exception as exc:  # reported, not fatal: the bench still runs the project's routes
+            print(f"ggml peer unavailable: {exc}", file=sys.stderr)
+            self.ggml = None
+        try:
+            import torch
+
+            self.torch = torch
+        except ImportError:
+            self.torch = None
+
+    def ggml_layer(self, q, k, v, layout: str) -> float:
+        """k, v: f16 planes of one layer (token-major [N, kv, d] or head-major [kv, N, d])."""
+        c = self.cfg
+        if layout == reference.TOKEN_MAJOR:
+            rs, hs, n = c.n_kv_heads * c.head_dim, c.head_dim, k.shape[0]
+        else:
+            rs, hs, n = c.head_dim, k.shape[1] * c.head_dim, k.shape[1]
+        return median_time(lambda: self.ggml.attend(q, k, v, first_row=0, n_rows=n, row_stride_elems=rs,
+                                                    head_stride_elems=hs), self.repeats)
+
+    def torch_layer(self, q, k, v, layout: str) -> float:
+        t = self.torch
+        kt = k if layout == reference.HEAD_MAJOR else np.swapaxes(k, 0, 1)
+        vt = v if layout == reference.HEAD_MAJOR else np.swapaxes(v, 0, 1)
+        # f32 on the CPU (torch's CPU f16 SDPA is slower); one call per layer as a user writes it
+        qq = t.from_numpy(q)[None, :, None, :]
+        kk = t.from_numpy(np.ascontiguousarray(kt, np.float32))[None]
+        vv = t.from_numpy(np.ascontiguousarray(vt, np.float32))[None]
+        f = t.nn.functional.scaled_dot_product_attention
+        return median_time(lambda: f(qq, kk, vv, scale=self.cfg.attention_scale, enable_gqa=True), self.repeats)
+
+    def reference_layer(self, q, k, v, layout: str) -> float:
+        kt = k if layout == reference.TOKEN_MAJOR else np.swapaxes(k, 0, 1)
+        vt = v if layout == reference.TOKEN_MAJOR else np.swapaxes(v, 0, 1)
+        return median_time(lambda: reference.attention(q, kt, vt, self.cfg.attention_scale), max(3, self.repeats // 3), 1)
+
+
+def layer_geometry(base: mt.Geometry, route: str, depth: int) -> mt.Geometry:
+    kind = ROUTE_KIND[route]
+    return base.with_overrides(name=f"{base.name}-1{kind}", n_layers=1, layer_pattern=(kind,),
+                               window=depth, max_context=depth, swa_ring_slack=0)
+
+
+def bench_layer(base, route, depth, arch, peers: Peers, rng, repeats) -> dict:
+    cfg = layer_geometry(base, route, depth)
+    eng = mt.Engine(cfg, arch=arch, force=route)
+    prefill(eng, depth - 1, rng)
+    ours, q = timed_step(eng, rng, repeats)
+    assert eng.routes == [route], eng.routes
+    k, v, _, layout = eng.plane_rows(0)
+    row = {"what": f"1 layer {route}", "depth": depth, "visible": depth, "ours_ms": ours * 1e3}
+    qh = q[0]
+    if peers.ggml is not None:
+        row["ggml_ms"] = peers.ggml_layer(qh, k, v, layout) * 1e3
+    if peers.torch is not None:
+        row["torch_ms"] = peers.torch_layer(qh, k, v, layout) * 1e3
+    row["numpy_ref_ms"] = peers.reference_layer(qh, k, v, layout) * 1e3
+    return finish(row, base, [depth])
+
+
+def bench_step(base, depth, arch, peers: Peers, rng, repeats) -> dict:
+    eng = mt.Engine(base, arch=arch)
+    prefill(eng, depth - 1, rng)
+    ours, q = timed_step(eng, rng, repeats)
+    visibles = [base.visible(kind, depth - 1) for kind in base.layer_kinds]
+    row = {"what": f"{base.n_layers}-layer step", "depth": depth, "visible": max(visibles), "ours_ms": ours * 1e3,
+           "routes": dict(eng.route_counts)}
+    # peers: one call per layer, as a user of each library would write the step
+    planes = [eng.plane_rows(layer) for layer in range(base.n_layers)]
+    for name, fn in (("ggml_ms", peers.ggml_layer if peers.ggml else None),
+                     ("torch_ms", peers.torch_layer if peers.torch else None)):
+        if fn is None:
+            continue
+        total = 0.0
+        for layer, (k, v, st, layout) in enumerate(planes):
+            n = visibles[layer]
+            if layout == reference.TOKEN_MAJOR:
+                rows = reference.gather(k, st, reference.visible_logicals(depth - 1, base.window), layout)
+                vrows = reference.gather(v, st, reference.visible_logicals(depth - 1, base.window), layout)
+            else:
+                rows, vrows = k[:, :n], v[:, :n]
+            total += fn(q[layer], np.ascontiguousarray(rows), np.ascontiguousarray(vrows), layout)
+        row[name] = total * 1e3
+    return finish(row, base, visibles)
+
+
+# ---- GPU: device time per layer (Taichi's kernel profiler), wall time per step, torch, copy floor ----
+
+def gpu_layer(base, route, depth, arch, rng, repeats, torch) -> dict:
+    """One layer's producer + reducer, device time from Taichi's kernel profiler (no host launch cost)."""
+    import taichi as ti
+
+    cfg = layer_geometry(base, route, depth)
+    eng = mt.Engine(cfg, arch=arch, force=route)
+    prefill(eng, depth - 1, rng)
+    timed_step(eng, rng, 2)  # leaves the planes at `depth` rows and compiles everything
+    kind = ROUTE_KIND[route]
+    layers = cfg.swa_layers if kind == "swa" else cfg.nope_layers
+    producer, reduce = (eng._splitk, eng._reduce_f32) if route == "splitk" else (eng._interleaved, eng._reduce_v2)
+    st, p = eng.planes[kind].state, eng.position - 1
+    k_dev, v_dev = eng._k_cur, eng._v_cur
+    times = []
+    for _ in range(repeats):
+        ti.sync()
+        ti.profiler.clear_kernel_profiler_info()
+        eng._run_producer(producer, reduce, kind, layers, st, p, k_dev, v_dev, eng._out)
+        ti.sync()
+        times.append(ti.profiler.get_kernel_profiler_total_time())  # seconds, summed over the launch's tasks
+    nwg, nsg = eng.split_geometry(depth, 1)
+    row = {"what": f"1 layer {route}", "depth": depth, "visible": depth, "ours_ms": statistics.median(times) * 1e3,
+           "workgroups": nwg, "simdgroups": nsg}
+    if torch is not None:
+        row["torch_ms"] = torch_sdpa_ms(torch, cfg, [depth], repeats)
+    return finish(row, base, [depth])
+
+
+def torch_sdpa_ms(torch, cfg, visibles, repeats) -> float:
+    """torch SDPA, f16, enable_gqa, one call per layer as a user writes it; CUDA-event median."""
+    dev = "cuda"
+    H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qs = [torch.randn(1, H, 1, D, device=dev, dtype=torch.float16) for _ in visibles]
+    ks = [torch.randn(1, KV, n, D, device=dev, dtype=torch.float16) for n in visibles]
+    vs = [torch.randn(1, KV, n, D, device=dev, dtype=torch.float16) for n in visibles]
+    f = torch.nn.functional.scaled_dot_product_attention
+
+    def once():
+        for q, k, v in zip(qs, ks, vs):
+            f(q, k, v, scale=cfg.attention_scale, enable_gqa=True)
+
+    for _ in range(3):
+        once()
+    times = []
+    for _ in range(max(repeats, 20)):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        once()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gb_s(torch, n_bytes=4 << 30) -> float:
+    """Device-to-device copy, bytes read + written over time: the floor every GB/s figure sits beside."""
+    src = torch.empty(n_bytes // 2, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    return 2 * n_bytes / statistics.median(times) / 1e9
+
+
+def gpu_step(base, depth, arch, rng, repeats, torch) -> dict:
+    eng = mt.Engine(base, arch=arch)
+    prefill(eng, depth - 1, rng)
+    ours, _ = timed_step(eng, rng, repeats, warmup=3)
+    visibles = [base.visible(kind, depth - 1) for kind in base.layer_kinds]
+    row = {"what": f"{base.n_layers}-layer step (wall, host incl.)", "depth": depth, "visible": max(visibles),
+           "ours_ms": ours * 1e3, "launches": eng.launches_last_step, "routes": dict(eng.route_counts)}
+    if torch is not None:
+        row["torch_ms"] = torch_sdpa_ms(torch, base, visibles, repeats)
+    return finish(row, base, visibles)
+
+
+def finish(row: dict, cfg: mt.Geometry, visibles: list[int]) -> dict:
+    kv_bytes = sum(visibles) * cfg.kv_bytes_per_row
+    flop = 4.0 * cfg.n_heads * cfg.head_dim * sum(visibles)  # QK and PV, a multiply and an add each
+    row["kv_mb"] = kv_bytes / 1e6
+    row["ours_gb_s"] = kv_bytes / (row["ours_ms"] * 1e-3) / 1e9
+    row["ours_gflop_s"] = flop / (row["ours_ms"] * 1e-3) / 1e9
+    if COPY_GB_S:
+        row["byte_floor_ms"] = kv_bytes / (COPY_GB_S * 1e9) * 1e3
+        row["ours_over_floor"] = row["ours_ms"] / row["byte_floor_ms"]
+    else:
+        row["flop_floor_ms"] = cpu_flop_floor_s(flop) * 1e3
+    for peer in ("ggml", "torch", "numpy_ref"):
+        if f"{peer}_ms" in row:
+            row[f"ours_over_{peer}"] = row["ours_ms"] / row[f"{peer}_ms"]
+    return row
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    cols = [("what", "what"), ("depth", "depth"), ("workgroups", "nwg"), ("ours_ms", "ours ms"), ("ggml_ms", "ggml ms"),
+            ("ours_over_ggml", "ours/ggml"), ("torch_ms", "torch ms"), ("ours_over_torch", "ours/torch"),
+            ("numpy_ref_ms", "numpy f64 ms"), ("ours_gb_s", "ours GB/s"), ("ours_gflop_s", "ours GFLOP/s"),
+            ("flop_floor_ms", "FLOP floor ms"), ("byte_floor_ms", "byte floor ms"), ("ours_over_floor", "ours/floor")]
+    cols = [c for c in cols if any(c[0] in r for r in rows)]
+    for _, name in cols:
+        t.add_column(name, justify="right")
+    for r in rows:
+        t.add_row(*[(f"{r[k]:.3g}" if isinstance(r.get(k), float) else str(r.get(k, ""))) for k, _ in cols])
+    Console().print(t)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="glimmer.yaml")
+    ap.add_argument("--arch", default="cpu")
+    ap.add_argument("--layer-depths", default="2048,32768,131072")
+    ap.add_argument("--step-depths", default="2048,32768")
+    ap.add_argument("--routes", default="splitk,interleaved")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the rows and the machine description here")
+    ap.add_argument("--mode", default="layers", choices=["layers", "steps"],
+                    help="GPU archs: per-layer device time (run with MUSER_TI_KERNEL_PROFILER=1) or per-step wall time")
+    args = ap.parse_args(argv)
+
+    base = mt.load_config(args.config)
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    if args.arch in ("cuda", "vulkan"):
+        return gpu_main(args, base, rng, argv)
+    peers = Peers(base, args.repeats)
+    for depth in [int(x) for x in args.layer_depths.split(",") if x]:
+        for route in [r for r in args.routes.split(",") if r]:
+            rows.append(bench_layer(base, route, depth, args.arch, peers, rng, args.repeats))
+            print(json.dumps(rows[-1]), flush=True)
+    for depth in [int(x) for x in args.step_depths.split(",") if x]:
+        rows.append(bench_step(base, depth, args.arch, peers, rng, args.repeats))
+        print(json.dumps(rows[-1]), flush=True)
+    info = {"machine": machine(), "arch": args.arch, "config": base.source, "repeats": args.repeats,
+            "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]), "rows": rows}
+    print_table(rows, f"{base.name} on {args.arch}: medians of {args.repeats} ({info['machine'].get('cpu', '')})")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(info, indent=2))
+    return 0
+
+
+def gpu_main(args, base, rng, argv) -> int:
+    """GPU mode: --mode layers (device time, Taichi's kernel profiler on) or steps (wall time)."""
+    global COPY_GB_S
+    try:
+        import torch
+
+        torch = torch if torch.cuda.is_available() else None
+    except ImportError:
+        torch = None
+    if torch is not None:
+        COPY_GB_S = copy_bandwidth_gb_s(torch)
+        print(f"device copy bandwidth: {COPY_GB_S:.0f} GB/s", flush=True)
+    rows = []
+    if args.mode == "layers":
+        for depth in [int(x) for x in args.layer_depths.split(",") if x]:
+            for route in [r for r in args.routes.split(",") if r]:
+                rows.append(gpu_layer(base, route, depth, args.arch, rng, args.repeats, torch))
+                print(json.dumps(rows[-1]), flush=True)
+    else:
+        for depth in [int(x) for x in args.step_depths.split(",") if x]:
+            rows.append(gpu_step(base, depth, args.arch, rng, args.repeats, torch))
+            print(json.dumps(rows[-1]), flush=True)
+    info = {"machine": machine(), "arch": args.arch, "mode": args.mode, "copy_gb_s": COPY_GB_S,
+            "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]), "rows": rows}
+    print_table(rows, f"{base.name} on {args.arch} ({args.mode}): medians of {args.repeats}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(info, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
