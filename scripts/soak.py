@@ -98,7 +98,7 @@ def soak(tokens: int = 300_000, window: int = 16, slack: int = 16, max_context: 
                 eng.save(last_path)
                 counts["saves"] += 1
                 after_save, pending = None, True
-            if n % check_every == check_every // 2 and after_save is not None:
+            if n % check_every == max(save_every // 2, 1) and after_save is not None:  # between two saves
                 eng.load(last_path)  # back to the latest snapshot: the next token must come out the same
                 q0, k0, v0, out0 = after_save
                 if not np.array_equal(eng.step(q0, k0, v0), out0):
