@@ -206,16 +206,24 @@ def gpu_layer(base, route, depth, arch, rng, repeats, torch) -> dict:
     producer, reduce = (eng._splitk, eng._reduce_f32) if route == "splitk" else (eng._interleaved, eng._reduce_v2)
     st, p = eng.planes[kind].state, eng.position - 1
     k_dev, v_dev = eng._k_cur, eng._v_cur
+    profiled = os.environ.get("MUSER_TI_KERNEL_PROFILER") == "1"
     times = []
     for _ in range(repeats):
         ti.sync()
-        ti.profiler.clear_kernel_profiler_info()
-        eng._run_producer(producer, reduce, kind, layers, st, p, k_dev, v_dev, eng._out)
-        ti.sync()
-        times.append(ti.profiler.get_kernel_profiler_total_time())  # seconds, summed over the launch's tasks
+        if profiled:  # device time of the launch's tasks (CUDA; Taichi's profiler crashes on Vulkan)
+            ti.profiler.clear_kernel_profiler_info()
+            eng._run_producer(producer, reduce, kind, layers, st, p, k_dev, v_dev, eng._out)
+            ti.sync()
+            times.append(ti.profiler.get_kernel_profiler_total_time())
+        else:  # wall time of 10 back-to-back launches pairs, host launch cost included
+            t0 = time.perf_counter()
+            for _ in range(10):
+                eng._run_producer(producer, reduce, kind, layers, st, p, k_dev, v_dev, eng._out)
+            ti.sync()
+            times.append((time.perf_counter() - t0) / 10)
     nwg, nsg = eng.split_geometry(depth, 1)
-    row = {"what": f"1 layer {route}", "depth": depth, "visible": depth, "ours_ms": statistics.median(times) * 1e3,
-           "workgroups": nwg, "simdgroups": nsg}
+    row = {"what": f"1 layer {route}" + (" (device)" if profiled else " (wall)"), "depth": depth, "visible": depth,
+           "ours_ms": statistics.median(times) * 1e3, "workgroups": nwg, "simdgroups": nsg}
     if torch is not None:
         row["torch_ms"] = torch_sdpa_ms(torch, cfg, [depth], repeats)
     return finish(row, base, [depth])

@@ -9,12 +9,15 @@ precise one (Taichi runs with fast_math off), as reduce_v2's precise::exp demand
 
 import taichi as ti
 
-from .common import MAX_WORKGROUPS, cached, f32_4d, i32_1d
+from .common import MAX_WORKGROUPS, RUNNING_MAX_INIT, WORKGROUP_THREADS, cached, f32_4d, i32_1d
+
+MAX_GPU_WG = 1024  # >= kernels.splitk.GPU_MAX_WORKGROUPS: one factor per partial in shared memory
 
 
 def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype):
     D, H = head_dim, n_heads
     W = MAX_WORKGROUPS
+    T = WORKGROUP_THREADS
 
     def build():
         out_t = ti.types.ndarray(dtype=out_dtype, ndim=3)
@@ -45,16 +48,53 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype):
                             acc += partials[g, h, i, 2 + d] * factors[i]
                         out[layers[g], h, d] = ti.cast(acc * inv, out_dtype)
             else:
-                for g, h, d in ti.ndrange(n_group, H, D):  # one thread per output element
-                    gmax = global_max(partials, g, h, nwg)
-                    total = 0.0
-                    acc = 0.0
-                    for i in range(nwg):
+                # one workgroup per (layer, head): factors exp(M_i - gmax) computed once, in parallel,
+                # into shared memory; then threads over d sum the weighted partials (coalesced loads).
+                ti.loop_config(block_dim=T)
+                for t in range(n_group * H * T):
+                    tid = t % T
+                    g, h = (t // T) // H, (t // T) % H
+                    f_sh = ti.simt.block.SharedArray((MAX_GPU_WG,), ti.f32)
+                    red = ti.simt.block.SharedArray((T,), ti.f32)
+                    local = RUNNING_MAX_INIT
+                    i = tid
+                    while i < nwg:
+                        local = ti.max(local, partials[g, h, i, 0])
+                        i += T
+                    red[tid] = local
+                    ti.simt.block.sync()
+                    width = T // 2
+                    while width > 0:  # tree max
+                        if tid < width:
+                            red[tid] = ti.max(red[tid], red[tid + width])
+                        ti.simt.block.sync()
+                        width //= 2
+                    gmax = red[0]
+                    ti.simt.block.sync()
+                    local_sum = 0.0
+                    i = tid
+                    while i < nwg:
                         f = ti.exp(partials[g, h, i, 0] - gmax)
-                        total += partials[g, h, i, 1] * f
-                        acc += partials[g, h, i, 2 + d] * f
-                    value = acc / total if total > 0.0 else 0.0
-                    out[layers[g], h, d] = ti.cast(value, out_dtype)
+                        f_sh[i] = f
+                        local_sum += partials[g, h, i, 1] * f
+                        i += T
+                    red[tid] = local_sum
+                    ti.simt.block.sync()
+                    width = T // 2
+                    while width > 0:  # tree sum
+                        if tid < width:
+                            red[tid] = red[tid] + red[tid + width]
+                        ti.simt.block.sync()
+                        width //= 2
+                    total = red[0]
+                    inv = 1.0 / total if total > 0.0 else 0.0
+                    d = tid
+                    while d < D:
+                        acc = 0.0
+                        for i2 in range(nwg):
+                            acc += partials[g, h, i2, 2 + d] * f_sh[i2]
+                        out[layers[g], h, d] = ti.cast(acc * inv, out_dtype)
+                        d += T
 
         return reduce
 

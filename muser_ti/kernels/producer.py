@@ -75,7 +75,7 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
     VH_GROUPS = T // V_DGROUPS
     VH = -(-G // VH_GROUPS)
     VH_STEP, VD_STEP = VH_GROUPS, V_DGROUPS
-    assert HEAD_GROUPS <= T and V_DGROUPS <= T
+    assert HEAD_GROUPS <= T and V_DGROUPS <= T and TILE_ROWS * D % T == 0
 
     @ti.func
     def row_value(plane: ti.template(), cur: ti.template(), layer, slot, kvh, logical, physical, position, d):
@@ -119,6 +119,23 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
         else:
             k_plane[slot, kvh, row, d] = ti.cast(k_cur[layer, kvh, d], ti.f16)
             v_plane[slot, kvh, row, d] = ti.cast(v_cur[layer, kvh, d], ti.f16)
+
+    TILE_LOADS = TILE_ROWS * D // T  # elements each thread moves into a tile
+
+    @ti.func
+    def load_tile(plane: ti.template(), cur: ti.template(), tile: ti.template(), rows_sh: ti.template(),
+                  layer, slot, kvh, count, logical_first, position, tid):
+        """Fill a tile: every load issued before any store, so TILE_LOADS loads are in flight per
+        thread (a load-store loop kept one outstanding load and waited out DRAM latency each time).
+        Rows past ``count`` re-read the last valid row: in bounds, and never used."""
+        vals = ti.Vector([0.0] * TILE_LOADS)
+        for k in ti.static(range(TILE_LOADS)):
+            e = tid + k * T
+            r = ti.min(e // D, count - 1)
+            vals[k] = row_value(plane, cur, layer, slot, kvh, logical_first + r, rows_sh[r], position, e % D)
+        for k in ti.static(range(TILE_LOADS)):
+            e = tid + k * T
+            tile[(e // D) * TILE_STRIDE + e % D] = vals[k]
 
     @ti.kernel
     def producer(
@@ -250,6 +267,7 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
                 tile = ti.simt.block.SharedArray((TILE_ROWS * TILE_STRIDE,), ti.f32)
                 w_sh = ti.simt.block.SharedArray((G * TILE_ROWS,), ti.f32)  # scores, then weights [h][r]
                 part = ti.simt.block.SharedArray((G * SCORE_GROUPS,), ti.f32)  # per-(head, row group) max / sum
+                rows_sh = ti.simt.block.SharedArray((TILE_ROWS,), ti.i32)  # physical row of each tile row
                 state = ti.simt.block.SharedArray((3 * G,), ti.f32)  # M, S, rescale factor per head
 
                 if ti.static(bypass):
@@ -288,15 +306,13 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
                     while tile_first < run_rows:
                         count = ti.min(TILE_ROWS, run_rows - tile_first)
                         first = run_first + tile_first
-                        # K tile -> shared (consecutive threads read consecutive halves of a row)
-                        e = tid
-                        while e < TILE_ROWS * D:
-                            r, d = e // D, e % D
-                            if r < count:
-                                logical = logical_start + first + r
-                                phys = physical_of(logical, capacity, origin_logical, origin_physical)
-                                tile[r * TILE_STRIDE + d] = row_value(k_plane, k_cur, layer, slot, kvh, logical, phys, position, d)
-                            e += T
+                        # the tile's physical rows, once per row (an integer modulo per element cost as
+                        # much as the loads)
+                        if tid < TILE_ROWS:
+                            rows_sh[tid] = physical_of(logical_start + first + ti.min(tid, count - 1), capacity,
+                                                       origin_logical, origin_physical)
+                        ti.simt.block.sync()
+                        load_tile(k_plane, k_cur, tile, rows_sh, layer, slot, kvh, count, logical_start + first, position, tid)
                         ti.simt.block.sync()
                         # scores: HB heads x RB rows per thread, one shared load per operand per d
                         if sh0 < HEAD_GROUPS:
@@ -348,14 +364,7 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
                                         local_sum += w
                                 part[h * SCORE_GROUPS + sr0] = local_sum
                         # V tile -> shared (every thread is past its reads of the K tile)
-                        e = tid
-                        while e < TILE_ROWS * D:
-                            r, d = e // D, e % D
-                            if r < count:
-                                logical = logical_start + first + r
-                                phys = physical_of(logical, capacity, origin_logical, origin_physical)
-                                tile[r * TILE_STRIDE + d] = row_value(v_plane, v_cur, layer, slot, kvh, logical, phys, position, d)
-                            e += T
+                        load_tile(v_plane, v_cur, tile, rows_sh, layer, slot, kvh, count, logical_start + first, position, tid)
                         ti.simt.block.sync()
                         if tid < G:
                             total = 0.0

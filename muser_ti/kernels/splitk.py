@@ -5,6 +5,8 @@ back from the f16 plane like every other row (no bypass on this rung).
 """
 
 
+import os
+
 import taichi as ti
 
 from .common import BLOCK_ROWS, MAX_WORKGROUPS, TOKEN_MAJOR, cached
@@ -40,8 +42,13 @@ GPU_TARGET_WORKGROUPS = 528  # 132 SMs x 4 resident 128-thread workgroups (~47 K
 GPU_MAX_WORKGROUPS = 1024
 
 
-def gpu_split_geometry(visible: int, n_pairs: int, target: int = GPU_TARGET_WORKGROUPS) -> tuple[int, int]:
-    """(n_workgroups, n_simdgroups) on a GPU for ``n_pairs`` (layer, KV head) pairs in one launch."""
+def gpu_split_geometry(visible: int, n_pairs: int, target: int | None = None) -> tuple[int, int]:
+    """(n_workgroups, n_simdgroups) on a GPU for ``n_pairs`` (layer, KV head) pairs in one launch.
+
+    MUSER_GPU_TARGET_WORKGROUPS overrides the target (scripts/bench.py measures the cap with it; a
+    target of 1 gives the chapter's nwg = min(blocks, 32))."""
+    if target is None:
+        target = int(os.environ.get("MUSER_GPU_TARGET_WORKGROUPS", GPU_TARGET_WORKGROUPS))
     nwg, nsg = splitk_geometry(visible)
     runs = -(-((visible + BLOCK_ROWS - 1) // BLOCK_ROWS) // nsg)  # runs of nsg blocks to share out
     want = max(MAX_DECODE_SPLIT_WORKGROUPS, -(-target // max(n_pairs, 1)))
