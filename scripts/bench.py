@@ -154,7 +154,8 @@ def bench_layer(base, route, depth, arch, peers: Peers, rng, repeats) -> dict:
     prefill(eng, depth - 1, rng)
     ours, q = timed_step(eng, rng, repeats)
     assert eng.routes == [route], eng.routes
-    k, v, _, layout = eng.plane_rows(0)
+    kh, vh = eng._host_plane(ROUTE_KIND[route])
+    k, v, layout = kh[0], vh[0], reference.TOKEN_MAJOR if route == "splitk" else reference.HEAD_MAJOR
     row = {"what": f"1 layer {route}", "depth": depth, "visible": depth, "ours_ms": ours * 1e3}
     qh = q[0]
     if peers.ggml is not None:
@@ -166,14 +167,17 @@ def bench_layer(base, route, depth, arch, peers: Peers, rng, repeats) -> dict:
 
 
 def bench_step(base, depth, arch, peers: Peers, rng, repeats) -> dict:
-    eng = mt.Engine(base, arch=arch)
+    eng = mt.Engine(base, arch=arch, pinned="off")  # the project's own routes; ggml is the peer
     prefill(eng, depth - 1, rng)
     ours, q = timed_step(eng, rng, repeats)
     visibles = [base.visible(kind, depth - 1) for kind in base.layer_kinds]
     row = {"what": f"{base.n_layers}-layer step", "depth": depth, "visible": max(visibles), "ours_ms": ours * 1e3,
            "routes": dict(eng.route_counts)}
-    # peers: one call per layer, as a user of each library would write the step
-    planes = [eng.plane_rows(layer) for layer in range(base.n_layers)]
+    # peers: one call per layer, as a user of each library would write the step (zero-copy plane views)
+    host = {kind: eng._host_plane(kind) for kind in eng.planes}
+    planes = [(host[kind][0][eng._slot[layer]], host[kind][1][eng._slot[layer]], eng.planes[kind].state,
+               reference.TOKEN_MAJOR if kind == "swa" else reference.HEAD_MAJOR)
+              for layer, kind in enumerate(base.layer_kinds)]
     for name, fn in (("ggml_ms", peers.ggml_layer if peers.ggml else None),
                      ("torch_ms", peers.torch_layer if peers.torch else None)):
         if fn is None:
@@ -273,7 +277,7 @@ def copy_bandwidth_gb_s(torch, n_bytes=4 << 30) -> float:
 
 
 def gpu_step(base, depth, arch, rng, repeats, torch) -> dict:
-    eng = mt.Engine(base, arch=arch)
+    eng = mt.Engine(base, arch=arch, pinned="off")
     prefill(eng, depth - 1, rng)
     ours, _ = timed_step(eng, rng, repeats, warmup=3)
     visibles = [base.visible(kind, depth - 1) for kind in base.layer_kinds]

@@ -2,6 +2,7 @@
 # One call on the lent H200 (the device tool): set up Taichi from the carried wheel and the Vulkan
 # loader from the carried .debs, then run what $1 asks:
 #   bench  CUDA + Vulkan benchmarks (layers: device time; steps: wall time), and the workgroup-cap A/B
+#   quick  CUDA layers and steps, Vulkan steps (after a kernel change)
 #   tests  the parametrised suite on CUDA and Vulkan
 # Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama) and .gl (libvulkan1...).
 set -uo pipefail
@@ -33,6 +34,14 @@ if [ "$what" = bench ]; then
     bench cap-$target MUSER_GPU_TARGET_WORKGROUPS=$target MUSER_TI_KERNEL_PROFILER=1 timeout 100 python3 scripts/bench.py \
       --arch cuda --mode layers --layer-depths 32768,131072 --routes interleaved --repeats 15 --json "$OUT/cap-$target.json"
   done
+fi
+if [ "$what" = quick ]; then  # CUDA layers and steps, Vulkan steps: the figures a kernel change moves
+  bench cuda-layers MUSER_TI_KERNEL_PROFILER=1 timeout 150 python3 scripts/bench.py --arch cuda --mode layers \
+    --layer-depths 2048,32768,131072 --routes interleaved,splitk --repeats 15 --json "$OUT/cuda-layers.json"
+  bench cuda-steps timeout 120 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,32768,131072 \
+    --repeats 15 --json "$OUT/cuda-steps.json"
+  bench vulkan-steps timeout 120 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
+    --repeats 15 --json "$OUT/vulkan-steps.json"
 fi
 if [ "$what" = tests ]; then
   timeout 560 python3 -m pytest -q -p no:cacheprovider --arch cuda --arch vulkan tests/ 2>&1 | tee "$OUT/tests.log" | tail -25
