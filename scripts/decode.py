@@ -97,7 +97,8 @@ def run(args) -> dict:
         "config": cfg.source,
         "model": cfg.name,
         "arch": eng.arch,
-        "pinned": eng.pinned_description if not eng.pinned_loaded else "loaded",
+        "pinned_loaded": eng.pinned_loaded,
+        "pinned": eng.pinned_description,
         "graph": eng.graph,
         "start_depth": args.start_depth,
         "tokens": args.tokens,
@@ -123,7 +124,7 @@ def print_summary(s: dict) -> None:
 
     con = Console()
     con.print(f"[bold]{s['model']}[/] ({s['config']}) on [bold]{s['arch']}[/], graph {s['graph']}")
-    con.print(f"pinned llama library: {s['pinned']}")
+    con.print(f"pinned llama library: {'loaded: ' if s['pinned_loaded'] else 'not loaded: '}{s['pinned']}")
     if s["swa_ring"]:
         r = s["swa_ring"]
         wrap = f"wrapped at position {r['wrapped_at_position']}" if r["wrapped_at_position"] is not None else (
