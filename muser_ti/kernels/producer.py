@@ -92,6 +92,14 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
             return plane[slot, kvh, physical, d]
 
     @ti.func
+    def work_item(item, nwg, position, window):
+        """(group layer, KV head, workgroup, logical_start, visible) of a work item (§16.4)."""
+        visible = position + 1
+        if window > 0:
+            visible = ti.min(position + 1, window)
+        return item // (KV * nwg), (item // nwg) % KV, item % nwg, position + 1 - visible, visible
+
+    @ti.func
     def physical_of(logical, capacity, origin_logical, origin_physical):
         return ti.raw_mod(origin_physical + logical - origin_logical, capacity)
 
@@ -154,14 +162,8 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
         if ti.static(not gpu):
             # ---------------- CPU: one work item per (layer, kv head, workgroup), serial inside -------
             for item in range(n_group * KV * nwg):
-                g = item // (KV * nwg)
-                kvh = (item // nwg) % KV
-                wg = item % nwg
+                g, kvh, wg, logical_start, visible = work_item(item, nwg, position, window)
                 layer, slot = layers[g], slots[g]
-                visible = position + 1
-                if window > 0:
-                    visible = ti.min(position + 1, window)
-                logical_start = position + 1 - visible
                 n_blocks = (visible + C - 1) // C
                 if ti.static(bypass):
                     if wg == 0:
@@ -282,14 +284,8 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
             for t in range(n_group * KV * nwg * T):
                 tid = t % T
                 item = t // T
-                g = item // (KV * nwg)
-                kvh = (item // nwg) % KV
-                wg = item % nwg
+                g, kvh, wg, logical_start, visible = work_item(item, nwg, position, window)
                 layer, slot = layers[g], slots[g]
-                visible = position + 1
-                if window > 0:
-                    visible = ti.min(position + 1, window)
-                logical_start = position + 1 - visible
                 n_blocks = (visible + C - 1) // C
 
                 q_sh = ti.simt.block.SharedArray((G * D if ti.static(Q_IN_SHARED) else 1,), ti.f32)
