@@ -330,7 +330,7 @@ class Engine:
         ``position`` would need (a ring only rolls back as far as its slack beyond the window).
         """
         self._check_alive()
-        if not isinstance(position, (int, np.integer)) or not 0 <= position <= self.position:
+        if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or not 0 <= position <= self.position:
             raise EngineError(f"rewind to {position!r}: expected an integer in [0, {self.position}] (the current position)")
         position = int(position)
         try:

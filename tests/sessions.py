@@ -57,9 +57,10 @@ class Session:
             target = 0 if self.dist == "sink" else int(rng.integers(0, len(self.history_k)))
             lo = max(0, p + 1 - c.window)  # inside every layer's window
             target = max(target, lo)
-            kt = self.history_k[target]
-            heads_kv = np.arange(H) // c.heads_per_kv
-            q = (3.0 * kt[:, heads_kv, :] + 0.1 * q).astype(np.float32)
+            if target < len(self.history_k):  # window 1: only the current token is visible; stay random
+                kt = self.history_k[target]
+                heads_kv = np.arange(H) // c.heads_per_kv
+                q = (3.0 * kt[:, heads_kv, :] + 0.1 * q).astype(np.float32)
         return q, k, v
 
     def step(self, check=True):

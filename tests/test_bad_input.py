@@ -88,6 +88,7 @@ def test_prefill_the_planes_cannot_hold(arch):
     (None, r"rewind to None: expected an integer"),
     (np.float64(2.0), r"rewind to .*2.0.*: expected an integer"),
     (-1, r"rewind to -1: expected an integer in \[0, 40\]"),
+    (True, r"rewind to True: expected an integer"),  # bool is an int subclass; refused all the same
     (41, r"rewind to 41: expected an integer in \[0, 40\]"),
     (10, "cannot rewind to 10: the swa plane of capacity 24 no longer holds token 0"),
 ])
