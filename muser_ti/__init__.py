@@ -13,6 +13,6 @@ from .ladder import INTERLEAVED, LLAMA_VEC_NOPE, LLAMA_VEC_SWA, ROUTES, SPLITK, 
 __all__ = [
     "ConfigError", "Engine", "EngineError", "Geometry", "INTERLEAVED", "LLAMA_VEC_NOPE", "LLAMA_VEC_SWA",
     "PinnedUnavailable", "ROUTES", "RouteError", "SPLITK", "geometry_from_dict", "ladder", "load_config",
-    "pinned_library_status", "reference",
+    "pinned_library_status", "reference", "tolerances",
 ]
 __version__ = "0.1.0"

@@ -380,7 +380,7 @@ class GgmlFlashAttn:
 
         Returns the internal [n_nodes, H, D] output buffer (valid until the next call).
         """
-        H, D, Hkv = self.n_heads, self.head_dim, self.n_kv_heads
+        H, D = self.n_heads, self.head_dim
         if q.shape != (self.n_nodes, H, D):
             raise ValueError(f"q must be [{self.n_nodes}, {H}, {D}], got {q.shape}")
         if len(views) != self.n_nodes:

@@ -420,7 +420,7 @@ def write_plots(sweep: Sweep, rows: list[dict], out_dir: Path) -> list[Path]:
     fig, axs = frame("time per decode step (attention stack)", "seconds")
     for ax, g in zip(axs, groups.values()):
         ax.plot(xs(g), [float(r["step_s"]) for r in g], "k-o", ms=3, label="whole step")
-        ax.plot(xs(g), [float(r["floor_s"]) for r in g], "k--", lw=1, label=f"floor: all KV bytes at copy BW")
+        ax.plot(xs(g), [float(r["floor_s"]) for r in g], "k--", lw=1, label="floor: all KV bytes at copy BW")
         for rt in ladder.ROUTES:
             pts = [(xv, _num(r[f"{rt}_s"]), _num(r[f"{rt}_floor_s"])) for xv, r in zip(xs(g), g) if _num(r[f"{rt}_s"])]
             if pts:

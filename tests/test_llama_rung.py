@@ -7,7 +7,6 @@ import pytest
 import muser_ti as mt
 from muser_ti import PinnedUnavailable, ladder, llama_rung
 from muser_ti.ggml_flash_attn import GgmlFlashAttn, pinned_status
-from muser_ti.reference import relative_error
 from sessions import GEOMETRIES, Session, geometry
 
 GGML_OK, GGML_WHY = pinned_status()
