@@ -98,5 +98,14 @@ class Session:
         del self.history_k[position:]
 
 
+def token_stream(cfg, n, seed):
+    """n seeded (q, k, v) decode tokens for a geometry: the same stream replayed into several engines."""
+    rng = np.random.default_rng(seed)
+    L, H, KV, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    return [(rng.standard_normal((L, H, D)).astype(np.float32),
+             rng.standard_normal((L, KV, D)).astype(np.float32),
+             rng.standard_normal((L, KV, D)).astype(np.float32)) for _ in range(n)]
+
+
 def own_routes_only(engine):
     return set(engine.routes) <= {ladder.SPLITK, ladder.INTERLEAVED}

@@ -8,15 +8,7 @@ import muser_ti as mt
 from muser_ti import EngineError, PinnedUnavailable, RouteError, ladder
 from muser_ti.reference import relative_error
 from muser_ti.tolerances import F16_OUTPUT_RTOL, F32_ROUTE_RTOL
-from sessions import GEOMETRIES, Session, geometry
-
-
-def stream(cfg, n, seed):
-    rng = np.random.default_rng(seed)
-    L, H, KV, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    return [(rng.standard_normal((L, H, D)).astype(np.float32),
-             rng.standard_normal((L, KV, D)).astype(np.float32),
-             rng.standard_normal((L, KV, D)).astype(np.float32)) for _ in range(n)]
+from sessions import GEOMETRIES, Session, geometry, token_stream as stream
 
 
 def assert_unchanged(before, after):

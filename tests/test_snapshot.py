@@ -17,7 +17,7 @@ import pytest
 import muser_ti as mt
 from muser_ti import snapshot
 from muser_ti.snapshot import SnapshotError
-from sessions import GEOMETRIES, Session, geometry
+from sessions import GEOMETRIES, Session, geometry, token_stream as tokens
 
 D64 = GEOMETRIES["gqa4-d64"]
 
@@ -55,14 +55,6 @@ MODES = {  # Engine kwargs per route family
     "pinned": dict(pinned="auto"),
     "serving": dict(pinned="auto", graph="serving"),
 }
-
-
-def tokens(cfg, n, seed):
-    rng = np.random.default_rng(seed)
-    L, H, KV, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    return [(rng.standard_normal((L, H, D)).astype(np.float32),
-             rng.standard_normal((L, KV, D)).astype(np.float32),
-             rng.standard_normal((L, KV, D)).astype(np.float32)) for _ in range(n)]
 
 
 def continuation(eng, toks):
