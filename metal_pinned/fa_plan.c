@@ -3,24 +3,14 @@
  * (ggml v0.15.3), in plain C.  See fa_plan.h for what each value means and where the facts come from.
  */
 #include "fa_plan.h"
+#include "mp_pin.h" /* mp_set_error */
 #include "mp_bridge.h" /* only for the mp_attend_desc layout (introspection below) */
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
 #define MP_PAD(x, n) ((((x) + (n) - 1) / (n)) * (n))
-
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
 
 int32_t mp_fa_nsg(int32_t nwg, int32_t n_kv) {
     int64_t nsg = 1;
@@ -49,45 +39,45 @@ static uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
 
 int mp_fa_make_plan(const mp_fa_problem *p, mp_fa_plan *out, char *err, size_t errlen) {
     if (!p || !out) {
-        return fail(err, errlen, "mp_fa_make_plan: NULL problem or plan");
+        return mp_set_error(err, errlen, "mp_fa_make_plan: NULL problem or plan");
     }
     memset(out, 0, sizeof(*out));
 
     if (p->head_dim != MP_FA_DK) {
-        return fail(err, errlen, "head_dim %d: the pinned pipeline is %s (head_dim 128 only)",
+        return mp_set_error(err, errlen, "head_dim %d: the pinned pipeline is %s (head_dim 128 only)",
                     p->head_dim, MP_KERNEL_FA_VEC);
     }
     if (p->n_heads < 1 || p->n_kv_heads < 1) {
-        return fail(err, errlen, "n_heads %d / n_kv_heads %d: both must be >= 1", p->n_heads, p->n_kv_heads);
+        return mp_set_error(err, errlen, "n_heads %d / n_kv_heads %d: both must be >= 1", p->n_heads, p->n_kv_heads);
     }
     if (p->n_heads % p->n_kv_heads != 0) {
-        return fail(err, errlen, "n_heads %d is not a multiple of n_kv_heads %d (GQA needs whole groups)",
+        return mp_set_error(err, errlen, "n_heads %d is not a multiple of n_kv_heads %d (GQA needs whole groups)",
                     p->n_heads, p->n_kv_heads);
     }
     if (p->n_heads > 65535 || p->n_kv_heads > 65535) {
-        return fail(err, errlen, "n_heads %d / n_kv_heads %d: the kernel indexes heads with 16-bit ids",
+        return mp_set_error(err, errlen, "n_heads %d / n_kv_heads %d: the kernel indexes heads with 16-bit ids",
                     p->n_heads, p->n_kv_heads);
     }
     if (p->visible < 1) {
-        return fail(err, errlen, "visible %d: at least one KV row must be attended", p->visible);
+        return mp_set_error(err, errlen, "visible %d: at least one KV row must be attended", p->visible);
     }
     if (p->k_row_stride < p->head_dim || p->v_row_stride < p->head_dim) {
-        return fail(err, errlen, "row strides k %d / v %d elements: each must be >= head_dim %d",
+        return mp_set_error(err, errlen, "row strides k %d / v %d elements: each must be >= head_dim %d",
                     p->k_row_stride, p->v_row_stride, p->head_dim);
     }
     if (p->k_row_stride % 4 != 0 || p->v_row_stride % 4 != 0) {
-        return fail(err, errlen, "row strides k %d / v %d elements: the kernel loads half4, so each must be a multiple of 4",
+        return mp_set_error(err, errlen, "row strides k %d / v %d elements: the kernel loads half4, so each must be a multiple of 4",
                     p->k_row_stride, p->v_row_stride);
     }
     if (p->k_head_stride < 0 || p->v_head_stride < 0 || p->k_head_stride % 8 != 0 || p->v_head_stride % 8 != 0) {
-        return fail(err, errlen, "head strides k %lld / v %lld bytes: each must be >= 0 and a multiple of 8 (half4 alignment)",
+        return mp_set_error(err, errlen, "head strides k %lld / v %lld bytes: each must be >= 0 and a multiple of 8 (half4 alignment)",
                     (long long)p->k_head_stride, (long long)p->v_head_stride);
     }
     if (!isfinite(p->scale) || p->scale == 0.0f) {
-        return fail(err, errlen, "scale %g: must be finite and non-zero", (double)p->scale);
+        return mp_set_error(err, errlen, "scale %g: must be finite and non-zero", (double)p->scale);
     }
     if (p->has_mask != 0 && p->has_mask != 1) {
-        return fail(err, errlen, "has_mask %d: must be 0 or 1", p->has_mask);
+        return mp_set_error(err, errlen, "has_mask %d: must be 0 or 1", p->has_mask);
     }
 
     const int32_t nq = 1, nseq = 1;

@@ -10,7 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
+int mp_set_error(char *err, size_t errlen, const char *fmt, ...) {
+    /* the one error writer of the plain C: formats into err (if given) and returns -1 */
     if (err && errlen) {
         va_list ap;
         va_start(ap, fmt);
@@ -141,11 +142,11 @@ void mp_sha256_hex(const void *data, size_t n, char out[65]) {
 
 int mp_sha256_file(const char *path, char out[65], char *err, size_t errlen) {
     if (!path || !*path) {
-        return fail(err, errlen, "no file path given");
+        return mp_set_error(err, errlen, "no file path given");
     }
     FILE *f = fopen(path, "rb");
     if (!f) {
-        return fail(err, errlen, "cannot open %s: %s", path, strerror(errno));
+        return mp_set_error(err, errlen, "cannot open %s: %s", path, strerror(errno));
     }
     mp_sha256_ctx c;
     uint8_t buf[1 << 16], d[32];
@@ -157,7 +158,7 @@ int mp_sha256_file(const char *path, char out[65], char *err, size_t errlen) {
     const int bad = ferror(f);
     fclose(f);
     if (bad) {
-        return fail(err, errlen, "read error on %s", path);
+        return mp_set_error(err, errlen, "read error on %s", path);
     }
     mp_sha256_final(&c, d);
     to_hex(d, out);
@@ -180,7 +181,7 @@ static int is_hex64(const char *s, size_t n) {
 
 int mp_pin_parse(const char *text, char out[65], char *err, size_t errlen) {
     if (!text) {
-        return fail(err, errlen, "PIN: no text");
+        return mp_set_error(err, errlen, "PIN: no text");
     }
     const char *value = NULL;
     size_t value_len = 0;
@@ -203,18 +204,18 @@ int mp_pin_parse(const char *text, char out[65], char *err, size_t errlen) {
         line = next;
     }
     if (values == 0) {
-        return fail(err, errlen, "PIN is empty: it must hold the metallib's sha256 (run `make -C metal_pinned pin` on macOS)");
+        return mp_set_error(err, errlen, "PIN is empty: it must hold the metallib's sha256 (run `make -C metal_pinned pin` on macOS)");
     }
     if (values > 1) {
-        return fail(err, errlen, "PIN has %d value lines; exactly one (the metallib's sha256) is allowed", values);
+        return mp_set_error(err, errlen, "PIN has %d value lines; exactly one (the metallib's sha256) is allowed", values);
     }
     if (value_len == strlen(MP_PIN_PLACEHOLDER) && strncmp(value, MP_PIN_PLACEHOLDER, value_len) == 0) {
-        return fail(err, errlen,
+        return mp_set_error(err, errlen,
                     "PIN is unset (it holds the placeholder " MP_PIN_PLACEHOLDER "): build the metallib and run "
                     "`make -C metal_pinned pin` on macOS; the bridge refuses to load an unpinned metallib");
     }
     if (!is_hex64(value, value_len)) {
-        return fail(err, errlen, "PIN value '%.*s' is not a sha256 (64 hex digits)", (int)(value_len > 80 ? 80 : value_len), value);
+        return mp_set_error(err, errlen, "PIN value '%.*s' is not a sha256 (64 hex digits)", (int)(value_len > 80 ? 80 : value_len), value);
     }
     for (size_t i = 0; i < MP_SHA256_HEX_LEN; ++i) {
         out[i] = (char)tolower((unsigned char)value[i]);
@@ -225,11 +226,11 @@ int mp_pin_parse(const char *text, char out[65], char *err, size_t errlen) {
 
 int mp_pin_read(const char *pin_path, char out[65], char *err, size_t errlen) {
     if (!pin_path || !*pin_path) {
-        return fail(err, errlen, "no PIN path given");
+        return mp_set_error(err, errlen, "no PIN path given");
     }
     FILE *f = fopen(pin_path, "rb");
     if (!f) {
-        return fail(err, errlen, "cannot open PIN %s: %s", pin_path, strerror(errno));
+        return mp_set_error(err, errlen, "cannot open PIN %s: %s", pin_path, strerror(errno));
     }
     char text[4096];
     const size_t n = fread(text, 1, sizeof text - 1, f);
@@ -237,19 +238,19 @@ int mp_pin_read(const char *pin_path, char out[65], char *err, size_t errlen) {
     const int bad = ferror(f);
     fclose(f);
     if (bad) {
-        return fail(err, errlen, "read error on PIN %s", pin_path);
+        return mp_set_error(err, errlen, "read error on PIN %s", pin_path);
     }
     if (more) {
-        return fail(err, errlen, "PIN %s is larger than %zu bytes; it should hold one sha256 and comments", pin_path,
+        return mp_set_error(err, errlen, "PIN %s is larger than %zu bytes; it should hold one sha256 and comments", pin_path,
                     sizeof text - 1);
     }
     text[n] = '\0';
     if (memchr(text, '\0', n)) {
-        return fail(err, errlen, "PIN %s contains NUL bytes", pin_path);
+        return mp_set_error(err, errlen, "PIN %s contains NUL bytes", pin_path);
     }
     char e[512];
     if (mp_pin_parse(text, out, e, sizeof e) != 0) {
-        return fail(err, errlen, "%s: %s", pin_path, e);
+        return mp_set_error(err, errlen, "%s: %s", pin_path, e);
     }
     return 0;
 }
@@ -257,14 +258,14 @@ int mp_pin_read(const char *pin_path, char out[65], char *err, size_t errlen) {
 int mp_pin_check(const void *data, size_t n, const char *pin_hex, char actual[65], char *err, size_t errlen) {
     char want[65], got[65];
     if (!pin_hex) {
-        return fail(err, errlen, "no pin given: the bridge refuses to load an unpinned metallib");
+        return mp_set_error(err, errlen, "no pin given: the bridge refuses to load an unpinned metallib");
     }
     /* accept exactly what a PIN file may hold, so the placeholder is refused here too */
     if (mp_pin_parse(pin_hex, want, err, errlen) != 0) {
         return -1;
     }
     if (!data && n) {
-        return fail(err, errlen, "no metallib bytes");
+        return mp_set_error(err, errlen, "no metallib bytes");
     }
     mp_sha256_hex(data, n, got);
     if (actual) {
@@ -276,7 +277,7 @@ int mp_pin_check(const void *data, size_t n, const char *pin_hex, char actual[65
         diff |= (unsigned)(want[i] ^ got[i]);
     }
     if (diff) {
-        return fail(err, errlen, "metallib sha256 %s does not match PIN %s: refusing to load it", got, want);
+        return mp_set_error(err, errlen, "metallib sha256 %s does not match PIN %s: refusing to load it", got, want);
     }
     return 0;
 }

@@ -17,6 +17,14 @@
 extern "C" {
 #endif
 
+/* Format an error message into err (if err and errlen are non-zero) and return -1. */
+int mp_set_error(char *err, size_t errlen, const char *fmt, ...)
+#if defined(__GNUC__) || defined(__clang__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+
 #define MP_PIN_PLACEHOLDER "UNSET"
 #define MP_SHA256_HEX_LEN 64
 
