@@ -189,15 +189,20 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     return p
 
 
+def read_yaml(path: Path, missing: str, error: type[Exception] = ConfigError):
+    """Parse a YAML file, or raise ``error`` naming the file (``missing`` says what absence means)."""
+    if not path.is_file():
+        raise error(f"{path}: {missing}")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML: {exc}") from None
+
+
 def load_config(name_or_path: str | Path) -> Geometry:
     """Load and validate a geometry file; a bare name like 'glimmer.yaml' resolves to configs/."""
     path = resolve_config_path(name_or_path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such config file (bare names resolve to {CONFIG_DIR})")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    raw = read_yaml(path, f"no such config file (bare names resolve to {CONFIG_DIR})")
     return _validate(raw, str(path))
 
 

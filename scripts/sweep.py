@@ -35,13 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import muser_ti as mt  # noqa: E402
 from muser_ti import bandwidth, ladder  # noqa: E402
-from muser_ti.config import NOPE, SWA, resolve_config_path  # noqa: E402
+from muser_ti.config import NOPE, SWA, read_yaml, resolve_config_path  # noqa: E402
 from muser_ti.planes import PlaneError, PlaneSet  # noqa: E402
 from muser_ti.reference import relative_error  # noqa: E402
 
@@ -142,12 +141,7 @@ def _resolve_point(src: str, base: mt.Geometry, values: dict) -> Point:
 def load_sweep(path: str | Path) -> Sweep:
     """Read and validate a sweep file and every one of its points."""
     path = Path(path)
-    if not path.is_file():
-        raise SweepError(f"{path}: no such sweep file")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise SweepError(f"{path}: not valid YAML: {exc}") from None
+    raw = read_yaml(path, "no such sweep file", SweepError)
     src = str(path)
     if not isinstance(raw, dict):
         raise SweepError(f"{src}: expected a mapping with keys name, base, fixed, axes, run")
