@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import taichi as ti
 
-from . import backend, ladder, llama_rung
+from . import backend, ladder, llama_rung, plane_mirror
 from .config import NOPE, SWA, Geometry
 from .kernels.common import HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, on_gpu
 from .kernels.interleaved import build_interleaved
@@ -27,6 +27,7 @@ from .reference import attend
 
 GRAPHS = ("teacher", "serving")
 PINNED_MODES = ("auto", "on", "off")
+MIRRORS = (None, "host")
 LAYOUT_OF = {SWA: TOKEN_MAJOR, NOPE: HEAD_MAJOR}
 
 
@@ -65,16 +66,23 @@ class Engine:
     force: a route name (for the layers of its class) or {layer: route}, for diagnosis.  A forced route
     whose predicate fails raises RouteError at the step, before anything is written.
     capacity: per-session override of every plane's capacity (a "deliberately tiny raw session" when < 32).
+    mirror: None | "host".  Mirror planes (muser_ti/plane_mirror.py, ``eng.mirror``): a second copy of every
+    plane, written on every store, that the vec routes read instead of the planes.  On arch="metal" with
+    the pinned rung loaded the engine always keeps one, in bridge buffers (the bridge cannot read Taichi's
+    Metal planes; never run: no macOS here).  "host" keeps one in numpy memory on any arch, to test the
+    bookkeeping off macOS; on the CPU the vec routes then read it through ggml.
     """
 
     def __init__(self, cfg: Geometry, arch: str = "auto", pinned: str = "auto", graph: str = "teacher",
-                 force: str | dict | None = None, capacity: int | None = None):
+                 force: str | dict | None = None, capacity: int | None = None, mirror: str | None = None):
         if pinned not in PINNED_MODES:
             raise EngineError(f"pinned={pinned!r}; expected one of {list(PINNED_MODES)}")
         if graph not in GRAPHS:
             raise EngineError(f"graph={graph!r}; expected one of {list(GRAPHS)}")
         if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
             raise EngineError(f"capacity={capacity!r}; expected a positive integer")
+        if mirror not in MIRRORS:
+            raise EngineError(f"mirror={mirror!r}; expected one of {list(MIRRORS)}")
         loaded, why = pinned_library_status(arch)
         if pinned == "on" and not loaded:
             raise PinnedUnavailable(f"pinned='on' but the pinned library is not loaded: {why}")
@@ -111,6 +119,8 @@ class Engine:
         self._v: dict[str, object] = {}
         for kind, ps in self.planes.items():
             self._k[kind], self._v[kind] = self._alloc_plane(kind, ps.state.capacity)
+        self.mirror = self._make_mirror(mirror)
+        self._bridge_runner = self.mirror.backing.runner(g) if self.mirror is not None else None
 
         gpu = on_gpu()
         D, G, KV, H = g.head_dim, g.heads_per_kv, g.n_kv_heads, g.n_heads
@@ -130,7 +140,8 @@ class Engine:
         self._llama_runners: dict[int, object] = {}  # group size -> ggml graph runner (pinned rung, CPU)
         self._serving = None
         if graph == "serving" and SWA in self.planes:
-            self._serving = llama_rung.ServingCache(len(self.planes[SWA].layers), g.window, g.n_ubatch, KV, D)
+            zeros = self.mirror.backing.zeros if self.mirror is not None else np.zeros  # Metal: cells the bridge reads
+            self._serving = llama_rung.ServingCache(len(self.planes[SWA].layers), g.window, g.n_ubatch, KV, D, zeros)
 
         self.position = 0
         self.launches_last_step = 0  # kernel launches the last step made (does not grow with layer count)
@@ -154,6 +165,32 @@ class Engine:
                 raise ladder.RouteError(f"force: unknown route {route!r} for layer {layer}; routes are {list(ladder.ROUTES)}")
             out[layer] = route
         return out
+
+    def _make_mirror(self, mirror: str | None):
+        """The mirror planes (plane_mirror.py): bridge buffers on Metal with the rung loaded, numpy for "host"."""
+        if self.arch == "metal" and self.pinned_loaded:
+            if mirror == "host":
+                raise EngineError("mirror='host': on Metal the pinned rung reads bridge buffers, so the engine keeps its "
+                                  "mirror there; pass mirror=None")
+            from . import metal_bridge
+
+            try:
+                backing = plane_mirror.MetalBacking(metal_bridge.load())
+            except metal_bridge.MetalBridgeError as exc:
+                raise PinnedUnavailable(f"the pinned Metal bridge verified but did not open: {exc}") from None
+        elif mirror == "host":
+            backing = plane_mirror.HostBacking()
+        else:
+            return None
+        # Memory: the mirror holds every plane a second time (plane_mirror.py gives Glimmer's figures); on
+        # Metal it cannot be avoided, since Taichi cannot bind the bridge's buffers nor hand out its own.
+        return plane_mirror.PlaneMirror(self.cfg, backing, {kind: ps.state for kind, ps in self.planes.items()})
+
+    def _set_state(self, kind: str, st: PlaneState) -> None:
+        """Every plane-state change goes through here, so the mirror's bookkeeping follows the planes."""
+        self.planes[kind].state = st
+        if self.mirror is not None:
+            self.mirror.set_state(kind, st)
 
     def _alloc_plane(self, kind: str, capacity: int):
         g = self.cfg
@@ -236,7 +273,9 @@ class Engine:
             rows_dev.from_numpy(rows)
             self._stores[kind].store_tokens(self._host_or_dev(k), self._host_or_dev(v), self._k[kind], self._v[kind],
                                             grp.layers_dev, grp.slots_dev, len(ps.layers), rows_dev, first, len(rows))
-            ps.state = new_states[kind]
+            if self.mirror is not None:  # the same rows from the same f32 tokens: O(rows written)
+                self.mirror.store(kind, rows, k[first:], v[first:])
+            self._set_state(kind, new_states[kind])
         if self._serving is not None:
             keep = min(n, self._serving.cells)
             swa = list(self.planes[SWA].layers)
@@ -277,10 +316,16 @@ class Engine:
         self._recorded = [] if self._gpu else None  # GPU: replay the step's dispatches as one ti.graph
         for kind, st in new_states.items():
             self._ensure_capacity(kind, st.capacity)
+        if self.mirror is not None:
+            # every route stores this token's row in every layer (a store kernel, or fused into the
+            # interleaved producer): the mirror gets the same row, before anything reads it
+            for kind, st in new_states.items():
+                self.mirror.store(kind, [st.physical(p)], k[None], v[None])
         self._q_dev = self._upload(self._q, q)
         k_dev, v_dev = self._upload(self._k_cur, k), self._upload(self._v_cur, v)
         out = np.empty_like(q) if not on_gpu() else None
         out_dev = out if out is not None else self._out
+        vec_out = out if out is not None else np.empty_like(q)  # GPU (Metal): the bridge's results, merged below
         by_route: dict[str, list[int]] = {}
         for layer, r in enumerate(routes):
             by_route.setdefault(r, []).append(layer)
@@ -294,11 +339,11 @@ class Engine:
         if self._serving is not None:
             # llama's cell order is kept up to date on every token, whichever route runs, so the
             # pinned kernel finds the cache llama.cpp would have.
-            ring = self._host_plane(SWA)
+            ring = self._vec_planes(SWA)
             row = new_states[SWA].physical(p)
             self._serving.stage(p, ring[0][:, row], ring[1][:, row])
         if ladder.LLAMA_VEC_SWA in by_route:
-            self._run_llama(SWA, tuple(by_route[ladder.LLAMA_VEC_SWA]), new_states[SWA], p, q, out)
+            self._run_llama(SWA, tuple(by_route[ladder.LLAMA_VEC_SWA]), new_states[SWA], p, q, vec_out)
         if ladder.LLAMA_VEC_NOPE in by_route:
             layers = tuple(by_route[ladder.LLAMA_VEC_NOPE])
             grp = self._group(layers)
@@ -306,7 +351,7 @@ class Engine:
             # kv_store_batch_f16, then the pinned kernel reads the head-major plane (store first, no bypass)
             self._launch(self._stores[NOPE].store_token, k_dev, v_dev, self._k[NOPE], self._v[NOPE], grp.layers_dev,
                          grp.slots_dev, len(layers), st.physical(p))
-            self._run_llama(NOPE, layers, st, p, q, out)
+            self._run_llama(NOPE, layers, st, p, q, vec_out)
         if ladder.SPLITK in by_route:
             self._run_producer(self._splitk, self._reduce_f32, SWA, tuple(by_route[ladder.SPLITK]),
                                new_states[SWA], p, k_dev, v_dev, out_dev)
@@ -317,11 +362,15 @@ class Engine:
             self._replay(self._recorded)
             self._recorded = None
         for kind, st in new_states.items():
-            self.planes[kind].state = st
+            self._set_state(kind, st)
         self.position = p + 1
         self.routes = routes
         self.route_counts.update(routes)
-        return out if out is not None else self._out.to_numpy()
+        if out is None:
+            out = self._out.to_numpy()
+            vec_layers = [layer for layer, r in enumerate(routes) if r in ladder.PINNED_ROUTES]
+            out[vec_layers] = vec_out[vec_layers]
+        return out
 
     def rewind(self, position: int) -> None:
         """Drop every token at or after ``position`` (speculative-decoding rollback).
@@ -338,7 +387,7 @@ class Engine:
         except PlaneError as exc:
             raise EngineError(str(exc)) from None
         for kind, st in new_states.items():
-            self.planes[kind].state = st
+            self._set_state(kind, st)  # rows past len are dead: no data moves, in the planes or the mirror
         if self._serving is not None:
             self._serving.forget_from(position)
         self.position = position
@@ -412,7 +461,9 @@ class Engine:
         copy(self._k[kind], k_new, n_slots, ps.state.len)
         copy(self._v[kind], v_new, n_slots, ps.state.len)
         self._k[kind], self._v[kind] = k_new, v_new
-        ps.state = ps.state.with_capacity(capacity)
+        if self.mirror is not None:
+            self.mirror.grow(kind, capacity)
+        self._set_state(kind, ps.state.with_capacity(capacity))
 
     def _partials_for(self, n_group: int, nwg: int):
         """Partials scratch for a group, grown (to a power of two workgroups) when a launch needs more."""
@@ -462,12 +513,28 @@ class Engine:
             self._llama_runners[n_nodes] = runner
         return runner
 
+    def _vec_planes(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """The K/V planes the vec routes read: the mirror when there is one, else the planes in place (CPU)."""
+        if self.mirror is not None:
+            return self.mirror.k[kind], self.mirror.v[kind]
+        return self._host_plane(kind)
+
     def _run_llama(self, kind: str, layers: tuple[int, ...], st: PlaneState, p: int, q: np.ndarray, out) -> None:
-        """llama.cpp's vec kernel over the planes in place: one graph compute for all the route's layers."""
+        """llama.cpp's vec kernel over the planes (or their mirror) in place: one dispatch for the route's layers."""
+        views = self._vec_views(kind, layers, st, p)
+        self.launches_last_step += 1
+        if self._bridge_runner is not None:  # Metal: the bridge over the mirror's buffers
+            result = self._bridge_runner.attend_many(q[list(layers)], views)
+        else:
+            result = self._llama_runner(len(layers)).attend_many(q[list(layers)], views)
+        out[list(layers)] = result
+
+    def _vec_views(self, kind: str, layers: tuple[int, ...], st: PlaneState, p: int) -> list:
+        """One KVView per layer: what the vec kernel reads for the token at ``p`` (planes in state ``st``)."""
         from .ggml_flash_attn import KVView
 
         g = self.cfg
-        kp, vp = self._host_plane(kind)
+        kp, vp = self._vec_planes(kind)
         views = []
         for layer in layers:
             slot = self._slot[layer]
@@ -483,9 +550,7 @@ class Engine:
             # row stride: a full token row (n_kv*head_dim halves) token-major, one head row head-major
             rs, hs = (g.n_kv_heads * g.head_dim, g.head_dim) if kind == SWA else (g.head_dim, st.capacity * g.head_dim)
             views.append(KVView(k_plane, v_plane, first, n_kv, rs, hs, mask))
-        self.launches_last_step += 1
-        result = self._llama_runner(len(layers)).attend_many(q[list(layers)], views)
-        out[list(layers)] = result
+        return views
 
     def _launch(self, kernel, *args):
         self.launches_last_step += 1
@@ -540,8 +605,8 @@ class Engine:
 
     @classmethod
     def from_snapshot(cls, path, arch: str = "auto", pinned: str = "auto", graph: str | None = None,
-                      force=None) -> "Engine":
+                      force=None, mirror: str | None = None) -> "Engine":
         """A new engine holding the session saved in ``path`` (its geometry and session capacity)."""
         from .snapshot import load_engine
 
-        return load_engine(path, arch=arch, pinned=pinned, graph=graph, force=force)
+        return load_engine(path, arch=arch, pinned=pinned, graph=graph, force=force, mirror=mirror)

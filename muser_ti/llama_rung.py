@@ -5,7 +5,8 @@ Off macOS the pinned library is ggml-python 0.0.45 (ggml v0.15.3), version-check
 halves for Glimmer's token-major SWA ring (n_kv_heads * head_dim), 128 for the head-major NoPE plane.
 It runs on the CPU, so it can only read planes that live in host memory: on the CPU backend it is
 the rung; on a GPU backend off macOS the rung is not loaded and the ladder falls to the project's
-kernels.  On macOS the rung is the Metal bridge in metal_pinned/ (``muser_ti.metal_bridge``).
+kernels.  On macOS the rung is the Metal bridge in metal_pinned/ (``muser_ti.metal_bridge``), reading
+mirror planes the engine keeps in bridge buffers (``muser_ti.plane_mirror``; never run, no macOS here).
 
 Two graphs (§16.8):
 * teacher: the vec kernel reads the ring where it lies: an unwrapped span directly, a full wrapped
@@ -44,11 +45,10 @@ def pinned_status(arch: str) -> tuple[bool, str]:
         ok, why = metal_bridge.status()
         if not ok:
             return False, why
-        # Known gap: the bridge dispatches on MTLBuffers, and Taichi 1.7.4 exposes no MTLBuffer (nor a
-        # host pointer) for a Metal ndarray, so the planes cannot be handed to llama's kernel in place;
-        # copying the planes every token would cost more than the attention.  Until the planes live in
-        # bridge-owned buffers Taichi can also write, the ladder falls to the project's kernels.
-        return False, f"{why}; verified, but Taichi's Metal planes cannot be passed to it in place (see llama_rung.py)"
+        # The bridge dispatches on MTLBuffers and Taichi 1.7.4 exposes none for a Metal ndarray, so the
+        # engine keeps mirror planes in bridge buffers and the vec routes read those (plane_mirror.py:
+        # every plane is then held twice).  Never run: there is no macOS machine here.
+        return True, f"{why}; the vec routes read bridge-owned mirror planes (every plane held twice)"
     from .ggml_flash_attn import pinned_status as ggml_status
 
     ok, why = ggml_status()
@@ -81,11 +81,12 @@ def ring_view(state: PlaneState, position: int, window: int) -> tuple[int, int, 
 class ServingCache:
     """llama.cpp's SWA cache layout for the serving graph: cells, not a ring with origins."""
 
-    def __init__(self, n_layers: int, window: int, n_ubatch: int, n_kv: int, head_dim: int):
+    def __init__(self, n_layers: int, window: int, n_ubatch: int, n_kv: int, head_dim: int, zeros=np.zeros):
+        """``zeros(shape, dtype)`` allocates the cells: the mirror's backing on Metal, so the bridge can read them."""
         self.window = window
         self.cells = pad(window + n_ubatch, LLAMA_KV_PAD)
-        self.k = np.zeros((n_layers, self.cells, n_kv, head_dim), np.float16)
-        self.v = np.zeros_like(self.k)
+        self.k = zeros((n_layers, self.cells, n_kv, head_dim), np.float16)
+        self.v = zeros((n_layers, self.cells, n_kv, head_dim), np.float16)
         self.pos = np.full(self.cells, -1, np.int64)  # token held by each cell, -1 = empty
 
     def stage(self, position: int, k_rows: np.ndarray, v_rows: np.ndarray) -> None:

@@ -314,6 +314,8 @@ def _apply(engine: Engine, snap: _Snapshot) -> None:
         dv.from_numpy(v)
         engine._k[kind], engine._v[kind] = dk, dv
         engine.planes[kind].state = st
+        if engine.mirror is not None:  # the mirror is re-synced in bulk from the file's rows
+            engine.mirror.load(kind, snap.tensors[f"{kind}.k"], snap.tensors[f"{kind}.v"], st)
     if engine._serving is not None:
         sc = engine._serving
         sc.k[...] = snap.tensors["serving.k"]
@@ -349,14 +351,14 @@ def _session_capacity(snap: _Snapshot) -> int | None:
 
 
 def load_engine(path: str | os.PathLike, arch: str = "auto", pinned: str = "auto", graph: str | None = None,
-                force=None) -> Engine:
+                force=None, mirror: str | None = None) -> Engine:
     """A new engine holding the session saved in ``path`` (its geometry and per-session capacity).
 
     ``graph`` defaults to the graph the session was saved from.
     """
     snap = read_snapshot(path)
     engine = Engine(snap.geometry, arch=arch, pinned=pinned, graph=graph or snap.meta["graph"], force=force,
-                    capacity=_session_capacity(snap))
+                    capacity=_session_capacity(snap), mirror=mirror)
     _check_fits(snap, engine)
     _apply(engine, snap)
     return engine

@@ -27,6 +27,8 @@ def test_identity_and_modes(arch):
         eng = mt.Engine(cfg, arch=arch, pinned="on")
         assert eng.pinned_loaded and eng.pinned_description == why
         assert not mt.Engine(cfg, arch=arch, pinned="off").pinned_loaded
+    elif arch == "metal" and loaded:  # macOS with the bridge built: it reads mirror planes (test_plane_mirror.py)
+        assert "mirror" in why and mt.Engine(cfg, arch=arch, pinned="on").mirror.name == "metal"
     else:
         assert not loaded and "cannot read planes" in why
         with pytest.raises(PinnedUnavailable, match="cannot read planes"):
