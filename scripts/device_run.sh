@@ -4,6 +4,9 @@
 #   bench  CUDA + Vulkan benchmarks (layers: device time; steps: wall time), and the workgroup-cap A/B
 #   quick  CUDA layers and steps, Vulkan steps (after a kernel change)
 #   tests  the parametrised suite on CUDA and Vulkan
+#   steps  the 52-layer step on CUDA and Vulkan
+#   final  the suite on both backends, CUDA layers, steps on both backends
+#   kernel after a producer change: CUDA layers at two workgroup targets, and ncu on one deep layer
 # Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama) and .gl (libvulkan1...).
 set -uo pipefail
 what=${1:-bench}
@@ -39,6 +42,38 @@ if [ "$what" = quick ]; then  # CUDA layers and steps, Vulkan steps: the figures
   bench cuda-layers MUSER_TI_KERNEL_PROFILER=1 timeout 150 python3 scripts/bench.py --arch cuda --mode layers \
     --layer-depths 2048,32768,131072 --routes interleaved,splitk --repeats 15 --json "$OUT/cuda-layers.json"
   bench cuda-steps timeout 120 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,32768,131072 \
+    --repeats 15 --json "$OUT/cuda-steps.json"
+  bench vulkan-steps timeout 120 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
+    --repeats 15 --json "$OUT/vulkan-steps.json"
+fi
+ncu_layer() {  # name, PYTHONPATH: ncu on one interleaved layer at 131,072 keys (one producer launch)
+  local ncu; ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  PYTHONPATH=$2 timeout 150 "$ncu" --clock-control none -k regex:producer --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    --section InstructionStats python3 scripts/bench.py --arch cuda --mode layers --layer-depths 131072 \
+    --routes interleaved --repeats 2 > "$OUT/ncu-$1.txt" 2>&1; echo "== ncu $1 rc=$?"
+  grep -E "^ *(Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Executed Instructions |Local Memory Spilling Requests |Block Limit (Registers|Shared))" "$OUT/ncu-$1.txt"
+}
+if [ "$what" = kernel ]; then  # after a producer change: workgroup targets on CUDA layers, and ncu
+  for target in 264 528; do
+    bench layers-wg$target MUSER_GPU_TARGET_WORKGROUPS=$target MUSER_TI_KERNEL_PROFILER=1 timeout 150 python3 \
+      scripts/bench.py --arch cuda --mode layers --layer-depths 2048,32768,131072 --routes interleaved,splitk \
+      --repeats 15 --json "$OUT/layers-wg$target.json"
+  done
+  ncu_layer producer /tmp/site:$PWD
+fi
+if [ "$what" = final ]; then  # the suite on both backends, then the steps on both (rows for docs/PERF.md)
+  timeout 250 python3 -m pytest -q -p no:cacheprovider --arch cuda --arch vulkan tests/ 2>&1 | tail -4
+  bench cuda-layers MUSER_TI_KERNEL_PROFILER=1 timeout 80 python3 scripts/bench.py --arch cuda --mode layers \
+    --layer-depths 2048,8192,32768,131072 --routes interleaved,splitk --repeats 15 --json "$OUT/cuda-layers.json"
+  bench cuda-steps timeout 90 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,32768,131072 \
+    --repeats 15 --json "$OUT/cuda-steps.json"
+  bench vulkan-steps timeout 120 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
+    --repeats 15 --json "$OUT/vulkan-steps.json"
+fi
+if [ "$what" = steps ]; then  # the 52-layer step on both backends (after a split-geometry change)
+  bench cuda-steps timeout 90 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,32768,131072 \
     --repeats 15 --json "$OUT/cuda-steps.json"
   bench vulkan-steps timeout 120 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
     --repeats 15 --json "$OUT/vulkan-steps.json"

@@ -36,25 +36,29 @@ def splitk_geometry(visible: int) -> tuple[int, int]:
 
 # On a GPU the chapter's cap leaves most of the card idle for a single deep layer: one NoPE layer at
 # 131,072 keys is 2 KV heads x 32 workgroups = 64 workgroups on a 132-SM H200.  The GPU path keeps the
-# chapter's nsg rule and block ownership but lets nwg grow until about GPU_TARGET_WORKGROUPS are in
-# flight per launch (never fewer than the chapter's 32).  Measured on the H200 (docs/PERF.md): the
-# chapter's cap costs 3.6x there (3,741 us against 1,025 us for that layer); a 4x larger target gains
-# nothing more (1,104 us).
-GPU_TARGET_WORKGROUPS = 528  # 132 SMs x 4 resident 128-thread workgroups (~47 KiB shared memory each)
+# chapter's nsg rule and block ownership but sizes nwg so that one launch is one wave of resident
+# workgroups: GPU_TARGET_WORKGROUPS // (layers x KV heads) per pair, at most one per run of blocks.
+# Measured on the H200 (docs/PERF.md): the chapter's cap costs 3.6x there (3,741 us against 1,025 us for
+# that layer with the first kernel).  The floor of 32 per pair that the first GPU kernel kept is gone:
+# a 39-layer SWA launch at 2,048 keys made 2,496 workgroups of 64 rows each, 9.5 waves of mostly-empty
+# 256-row tiles, where 234 workgroups of ~680 rows fill the card once.
+# The tiled producer (producer_gpu.py) holds 2 workgroups per SM (255 registers per thread, 47.8 KiB
+# of shared memory each), so the target is one wave of them: 132 SMs x 2.  Measured on the H200 (run 5):
+# one NoPE layer at 32,768 keys 116 us at 264 against 154 us at 528 (a second, partial wave of tiles).
+GPU_TARGET_WORKGROUPS = 264
 GPU_MAX_WORKGROUPS = 1024
 
 
 def gpu_split_geometry(visible: int, n_pairs: int, target: int | None = None) -> tuple[int, int]:
     """(n_workgroups, n_simdgroups) on a GPU for ``n_pairs`` (layer, KV head) pairs in one launch.
 
-    MUSER_GPU_TARGET_WORKGROUPS overrides the target (scripts/bench.py measures the cap with it; a
-    target of 1 gives the chapter's nwg = min(blocks, 32))."""
+    MUSER_GPU_TARGET_WORKGROUPS overrides the target (scripts/device_run.sh measures it)."""
     if target is None:
         target = int(os.environ.get("MUSER_GPU_TARGET_WORKGROUPS", GPU_TARGET_WORKGROUPS))
-    nwg, nsg = splitk_geometry(visible)
+    _, nsg = splitk_geometry(visible)
     runs = -(-((visible + BLOCK_ROWS - 1) // BLOCK_ROWS) // nsg)  # runs of nsg blocks to share out
-    want = max(MAX_DECODE_SPLIT_WORKGROUPS, -(-target // max(n_pairs, 1)))
-    return max(nwg, min(runs, want, GPU_MAX_WORKGROUPS)), nsg
+    per_pair = max(1, target // max(n_pairs, 1))  # floor: a partial second wave costs a whole one
+    return max(1, min(runs, per_pair, GPU_MAX_WORKGROUPS)), nsg
 
 
 def block_owner(block: int, nwg: int, nsg: int) -> tuple[int, int]:

@@ -1,0 +1,366 @@
+"""The split-K producer's GPU path: big register-blocked tiles staged through shared memory in chunks.
+
+What bounds decode attention on a GPU without tensor cores (Taichi has none) is not DRAM but the
+instruction issue around the FMAs: every FMA needs its two operands in registers, and the only way to
+share a K/V element among the G sibling query heads is shared memory, one scalar load per operand
+(Taichi 1.7.4 emits no vector shared loads; warp shuffles exist on CUDA only and cost as much).
+On Hopper an SM issues four FMA instructions per clock but about one shared-memory load, so the
+kernel is shaped to raise FMAs per shared load:
+
+* scores: each thread owns HB heads x RB rows of the tile, so per dimension it loads HB query and
+  RB key values and does HB*RB FMAs (8 x 4 for Glimmer: 12 loads per 32 FMAs; the first GPU kernel
+  did 6 per 8);
+* values: each thread owns VH heads x VD dims and a slice of the tile's rows (4 x 8: 12 loads per
+  32 FMAs); the RS row slices are summed once per workgroup at the end;
+* a tile is R rows (256 for Glimmer) so that the softmax bookkeeping (three barriers, two tiny
+  reductions) is paid once per 256 rows, not per 32; the running sum of weights stays per thread and
+  is reduced once per workgroup;
+* K is staged in chunks of DC dimensions ([R][DC+1] f32, padded so the RB rows a warp reads sit in
+  different banks) and V in chunks of VR rows ([VR][D+1]), both through one buffer, so the whole
+  workgroup fits the 48 KiB CUDA and Vulkan allow without opt-in (32 KiB on Metal: smaller tiles);
+* LOAD_GROUP loads of a chunk are issued before any of their stores, so each thread keeps 16 DRAM
+  reads in flight (a prefetch of the whole next chunk into registers measured slower: it spilled).
+
+Known deficit (ncu on the H200, docs/PERF.md run 5): Taichi's code for this kernel takes 255 registers
+per thread and still spills, so an SM holds only 2 workgroups (8 warps); one NoPE layer at 131,072
+keys takes 323 us against torch SDPA's 56 us.
+
+Block ownership is the chapter's (block b belongs to workgroup (b // nsg) % nwg): a workgroup walks
+its owned rows in increasing order, R at a time, with one online-softmax update per tile.
+"""
+
+
+from dataclasses import dataclass
+
+import taichi as ti
+
+from .common import BLOCK_ROWS, RUNNING_MAX_INIT, WORKGROUP_THREADS, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d
+
+SHARED_BUDGET_BYTES = {"cuda": 48 * 1024, "vulkan": 48 * 1024, "metal": 32 * 1024}  # without opt-in
+K_CHUNK_DIMS = 16  # DC: dimensions of K staged per chunk ([R][DC+1] f32 = 17 KiB at R = 256)
+MAX_BLOCKING = 8  # HB: score heads per thread; VD: value dims per thread
+MAX_VALUE_HEADS = 4  # VH: 4 x 8 = 32 accumulators.  With 8 x 8 (16 loads per 64 FMAs) and a prefetched
+#                      chunk the kernel spilled twice as much on the H200 (ncu, docs/PERF.md run 5)
+LOAD_GROUP = 16  # chunk loads in flight per thread before their stores: 32 at once spilled too
+MAX_TILE_ROWS = 256  # R: rows per online-softmax update (the bookkeeping is paid once per tile)
+
+
+def _largest_divisor(n: int, at_most: int, ok=lambda d: True) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0 and ok(d))
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """The static shape of the GPU producer for one (G, D) and shared-memory budget."""
+
+    G: int
+    D: int
+    T: int
+    HB: int  # score heads per thread
+    HG: int  # head groups (G // HB)
+    RG: int  # score row groups (threads along rows)
+    RB: int  # score rows per thread
+    R: int  # tile rows
+    DC: int  # K chunk dims
+    VR: int  # V chunk rows
+    VH: int  # value heads per thread
+    VD: int  # value dims per thread
+    DG: int  # value dim groups (D // VD): a thread owns dims dg + DG*j
+    HGV: int  # value head groups (G // VH)
+    RS: int  # row slices in the value pass
+    L2: int  # threads per head in the tile-max reduction
+    BUF: int  # floats in the K/V chunk buffer
+    shared_bytes: int
+
+
+def gpu_tile_plan(G: int, D: int, budget: int, T: int = WORKGROUP_THREADS) -> "TilePlan":
+    """Choose the largest tile that fits ``budget`` bytes of shared memory; pure arithmetic, tested."""
+    if G > T:
+        raise ValueError(f"the GPU producer keeps one head per thread in its reductions: heads per KV head "
+                         f"{G} must be <= {T}")
+    # score heads per thread: the most (<= 8) that leave a head-group count dividing T, so every
+    # thread has a row group (G = 24: 6 heads x 4 groups, not 8 x 3 with 2 threads idle)
+    HB = max((d for d in range(1, min(G, MAX_BLOCKING) + 1) if G % d == 0 and G // d <= T),
+             key=lambda d: (T % (G // d) == 0, d))
+    HG = G // HB
+    RG = 1 << (T // HG).bit_length() - 1  # a power of two, so tiles of R = RG x RB rows split into chunks
+    VD = _largest_divisor(D, MAX_BLOCKING)
+    DG = D // VD
+    # value heads per thread: the most up to 4 that the workgroup's threads cover; wide groups (more than
+    # 4 x T / DG heads) need more per thread, at the cost of registers
+    fits = [d for d in range(1, G + 1) if G % d == 0 and (G // d) * DG <= T]
+    VH = max([d for d in fits if d <= MAX_VALUE_HEADS], default=min(fits))
+    HGV = G // VH
+    RS = T // (HGV * DG)
+    L2 = T // G
+    DC = K_CHUNK_DIMS
+    for RB in range(MAX_TILE_ROWS // RG, 0, -1):  # the largest tile (R = RG x RB rows) that fits
+        R = RG * RB
+        chunk = R * DC
+        if chunk % D or chunk % T or R % (chunk // D):
+            continue
+        VR = chunk // D
+        buf = max(R * (DC + 1), VR * (D + 1), G * D if RS > 1 else 0)
+        floats = G * D + buf + G * (R + 1) + G * RG + G * L2 + 2 * G
+        shared = 4 * (floats + R)
+        if shared <= budget:
+            return TilePlan(G, D, T, HB, HG, RG, RB, R, DC, VR, VH, VD, DG, HGV, RS, L2, buf, shared)
+    raise ValueError(f"no GPU tile for {G} heads per KV head at head_dim {D} fits {budget} bytes of shared memory "
+                     f"(the queries alone take {4 * G * D})")
+
+
+def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at):
+    """The GPU producer kernel; ``at`` is the layout's addressing (producer.addressing)."""
+    p = plan
+    G, D, T, KV, C = p.G, p.D, p.T, n_kv, BLOCK_ROWS
+    HB, RG, RB, R, DC, VR = p.HB, p.RG, p.RB, p.R, p.DC, p.VR
+    VH, VD, DG, HGV, RS, L2 = p.VH, p.VD, p.DG, p.HGV, p.RS, p.L2
+    KS, VS, WS = DC + 1, D + 1, R + 1  # padded strides of the K chunk, V chunk and weight rows
+    CHUNK = R * DC  # elements per chunk, K or V
+    LOADS = CHUNK // T  # elements each thread moves per chunk
+    NKC = D // DC  # K chunks per tile (V chunks: as many as the tile has rows for, see n_vc)
+    SCORE_THREADS, VALUE_THREADS = p.HG * RG, RS * HGV * DG
+    LG = min(LOAD_GROUP, LOADS)
+    VISIT_OWNER = 64  # the encoding of producer.VISIT_OWNER (a test pins both)
+
+    @ti.func
+    def tile_rows(o_first, count, wg, nwg, run, logical_start, capacity, origin_logical, origin_physical,
+                  rows_sh: ti.template(), visits: ti.template(), g, tid):
+        """Physical row of each tile row (past ``count``: the last valid row, in bounds and unused)."""
+        i = tid
+        while i < R:
+            o = o_first + ti.min(i, count - 1)
+            rel = (wg + (o // run) * nwg) * run + o % run
+            rows_sh[i] = at.physical_of(logical_start + rel, capacity, origin_logical, origin_physical)
+            if ti.static(record):
+                if i < count and rel % C == 0:
+                    ti.atomic_add(visits[g, rel // C], 1 + VISIT_OWNER * wg)
+            i += T
+
+    @ti.func
+    def move_chunk(plane: ti.template(), buf: ti.template(), rows_sh: ti.template(), slot, kvh, is_k: ti.template(),
+                   c, tid):
+        """Chunk c (K: dims c*DC.., V: rows c*VR..) from the plane to shared f32, LOAD_GROUP loads in
+        flight per thread before their stores."""
+        for grp in ti.static(range(LOADS // LG)):
+            stage = ti.Vector([0.0] * LG)
+            for k in ti.static(range(LG)):
+                e = tid + (grp * LG + k) * T
+                if ti.static(is_k):
+                    stage[k] = ti.cast(at.plane_at(plane, slot, kvh, rows_sh[e // DC], c * DC + e % DC), ti.f32)
+                else:
+                    stage[k] = ti.cast(at.plane_at(plane, slot, kvh, rows_sh[c * VR + e // D], e % D), ti.f32)
+            for k in ti.static(range(LG)):
+                e = tid + (grp * LG + k) * T
+                if ti.static(is_k):
+                    buf[(e // DC) * KS + e % DC] = stage[k]
+                else:
+                    buf[(e // D) * VS + e % D] = stage[k]
+
+    @ti.func
+    def patch_current(buf: ti.template(), cur: ti.template(), layer, kvh, is_k: ti.template(), c, r_cur, count, tid):
+        """The bypass: the current token's chunk row takes the f32 activations.  Called between two
+        barriers, and only by a workgroup whose tile holds that row (a uniform condition): a per-element
+        test inside move_chunk cost 1.8x on the H200 (844 vs 461 us at 131,072 keys, docs/PERF.md)."""
+        if ti.static(bypass):
+            if ti.static(is_k):
+                if r_cur >= 0 and r_cur < count:
+                    ti.simt.block.sync()
+                    if tid < DC:
+                        buf[r_cur * KS + tid] = cur[layer, kvh, c * DC + tid]
+            else:
+                if r_cur >= c * VR and r_cur < ti.min(count, c * VR + VR):
+                    ti.simt.block.sync()
+                    e = tid
+                    while e < D:
+                        buf[(r_cur - c * VR) * VS + e] = cur[layer, kvh, e]
+                        e += T
+
+    @ti.kernel
+    def producer(
+        q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, k_plane: f16_plane, v_plane: f16_plane,
+        partials: f32_4d, visits: i32_2d,
+        layers: i32_1d, slots: i32_1d, n_group: ti.i32,
+        position: ti.i32, window: ti.i32, capacity: ti.i32, origin_logical: ti.i32, origin_physical: ti.i32,
+        nwg: ti.i32, nsg: ti.i32, scale: ti.f32,
+    ):
+        ti.loop_config(block_dim=T)
+        for t in range(n_group * KV * nwg * T):
+            tid = t % T
+            g, kvh, wg, logical_start, visible = at.work_item(t // T, nwg, position, window)
+            layer, slot = layers[g], slots[g]
+
+            q_sh = ti.simt.block.SharedArray((G * D,), ti.f32)
+            buf = ti.simt.block.SharedArray((p.BUF,), ti.f32)  # K chunk [R][KS] | V chunk [VR][VS] | O slices
+            w_sh = ti.simt.block.SharedArray((G * WS,), ti.f32)  # weights [h][r]
+            part = ti.simt.block.SharedArray((G * RG,), ti.f32)  # per (head, row group): max, then sum
+            part2 = ti.simt.block.SharedArray((G * L2,), ti.f32)
+            state = ti.simt.block.SharedArray((2 * G,), ti.f32)  # running max M, this tile's factor
+            rows_sh = ti.simt.block.SharedArray((R,), ti.i32)
+
+            if ti.static(bypass):
+                if wg == 0:
+                    row = at.physical_of(position, capacity, origin_logical, origin_physical)
+                    e = tid
+                    while e < D:
+                        at.fused_store(k_cur, v_cur, k_plane, v_plane, layer, slot, kvh, row, e)
+                        e += T
+            e = tid
+            while e < G * D:
+                q_sh[e] = q[layer, kvh * G + e // D, e % D]
+                e += T
+            if tid < G:
+                state[tid] = RUNNING_MAX_INIT
+                state[G + tid] = 0.0
+
+            # this thread's score tile: heads h0 + i, rows sr + RG*j; value tile: heads vh0 + i,
+            # dims dg + DG*j, rows rs, rs + RS, ... of each V chunk
+            h0, sr = (tid // RG) * HB, tid % RG
+            rs, vl = tid // (HGV * DG), tid % (HGV * DG)
+            vh0, dg = (vl // DG) * VH, vl % DG
+            acc = ti.Matrix.zero(ti.f32, VH, VD)
+            lsum = ti.Vector([0.0] * HB)
+
+            # the rows this workgroup owns, in increasing order: runs wg, wg + nwg, ... of nsg blocks
+            run = nsg * C
+            n_runs = (visible + run - 1) // run
+            my_runs = 0
+            if wg < n_runs:
+                my_runs = (n_runs - 1 - wg) // nwg + 1
+            n_own = my_runs * run
+            if my_runs > 0 and (n_runs - 1) % nwg == wg:
+                n_own -= n_runs * run - visible  # the last run is partial
+            last_run = (visible - 1) // run  # the current token is the window's last row
+            o_cur = -1
+            if last_run % nwg == wg:
+                o_cur = (last_run // nwg) * run + (visible - 1) % run
+            ti.simt.block.sync()
+
+            o_first = 0
+            while o_first < n_own:  # uniform across the workgroup: barriers inside are safe
+                count = ti.min(R, n_own - o_first)
+                r_cur = o_cur - o_first  # tile row of the current token (bypass), maybe out of range
+                tile_rows(o_first, count, wg, nwg, run, logical_start, capacity, origin_logical, origin_physical,
+                          rows_sh, visits, g, tid)
+                ti.simt.block.sync()
+
+                sc = ti.Matrix.zero(ti.f32, HB, RB)
+                for c in range(NKC):
+                    ti.simt.block.sync()  # every thread is done reading the previous chunk
+                    move_chunk(k_plane, buf, rows_sh, slot, kvh, True, c, tid)
+                    patch_current(buf, k_cur, layer, kvh, True, c, r_cur, count, tid)
+                    ti.simt.block.sync()
+                    if tid < SCORE_THREADS:
+                        for dd in range(DC):  # not unrolled: 16 unrolled steps hoisted ~200 shared loads
+                            # into registers (twice the local-memory spills, docs/PERF.md run 5)
+                            kd = ti.Vector([buf[(sr + j * RG) * KS + dd] for j in ti.static(range(RB))])
+                            for i in ti.static(range(HB)):
+                                qd = q_sh[(h0 + i) * D + c * DC + dd]
+                                for j in ti.static(range(RB)):
+                                    sc[i, j] = sc[i, j] + qd * kd[j]
+
+                # the tile's max per head: thread -> part[h][row group] -> part2[h][L2] -> state
+                if tid < SCORE_THREADS:
+                    for i in ti.static(range(HB)):
+                        local = RUNNING_MAX_INIT
+                        for j in ti.static(range(RB)):
+                            if sr + j * RG < count:
+                                local = ti.max(local, sc[i, j] * scale)
+                        part[(h0 + i) * RG + sr] = local
+                ti.simt.block.sync()
+                if tid < G * L2:
+                    h, sub = tid // L2, tid % L2
+                    local = RUNNING_MAX_INIT
+                    j = sub
+                    while j < RG:
+                        local = ti.max(local, part[h * RG + j])
+                        j += L2
+                    part2[h * L2 + sub] = local
+                ti.simt.block.sync()
+                if tid < G:
+                    tile_max = part2[tid * L2]
+                    for j in range(1, L2):
+                        tile_max = ti.max(tile_max, part2[tid * L2 + j])
+                    new_max = ti.max(state[tid], tile_max)
+                    state[G + tid] = ti.exp(state[tid] - new_max)
+                    state[tid] = new_max
+                ti.simt.block.sync()
+                # weights (rows past count: 0), the thread's running sums, the accumulators' rescale
+                if tid < SCORE_THREADS:
+                    for i in ti.static(range(HB)):
+                        h = h0 + i
+                        m, f = state[h], state[G + h]
+                        total = lsum[i] * f
+                        for j in ti.static(range(RB)):
+                            r = sr + j * RG
+                            w = 0.0
+                            if r < count:
+                                w = ti.exp(sc[i, j] * scale - m)
+                            w_sh[h * WS + r] = w
+                            total += w
+                        lsum[i] = total
+                if tid < VALUE_THREADS:
+                    for i in ti.static(range(VH)):
+                        f = state[G + vh0 + i]
+                        for j in ti.static(range(VD)):
+                            acc[i, j] = acc[i, j] * f
+
+                n_vc = (count + VR - 1) // VR  # V chunks past the tile's last row would only add zeros
+                for c in range(n_vc):
+                    ti.simt.block.sync()
+                    move_chunk(v_plane, buf, rows_sh, slot, kvh, False, c, tid)
+                    patch_current(buf, v_cur, layer, kvh, False, c, r_cur, count, tid)
+                    ti.simt.block.sync()
+                    if tid < VALUE_THREADS:
+                        lr = rs
+                        while lr < VR:
+                            vv = ti.Vector([buf[lr * VS + dg + DG * j] for j in ti.static(range(VD))])
+                            for i in ti.static(range(VH)):
+                                w = w_sh[(vh0 + i) * WS + c * VR + lr]
+                                for j in ti.static(range(VD)):
+                                    acc[i, j] = acc[i, j] + w * vv[j]
+                            lr += RS
+                ti.simt.block.sync()  # the next tile rewrites rows_sh, buf, w_sh and part
+                o_first += R
+
+            # S per head: the threads' running sums, reduced once per workgroup
+            if tid < SCORE_THREADS:
+                for i in ti.static(range(HB)):
+                    part[(h0 + i) * RG + sr] = lsum[i]
+            ti.simt.block.sync()
+            if tid < G * L2:
+                h, sub = tid // L2, tid % L2
+                total = 0.0
+                j = sub
+                while j < RG:
+                    total += part[h * RG + j]
+                    j += L2
+                part2[h * L2 + sub] = total
+            ti.simt.block.sync()
+            if tid < G:
+                total = 0.0
+                for j in range(L2):
+                    total += part2[tid * L2 + j]
+                partials[g, kvh * G + tid, wg, 0] = state[tid]
+                partials[g, kvh * G + tid, wg, 1] = total
+            # O per head: the RS row slices summed into slice 0 through buf, one slice at a time
+            for s in range(1, RS):
+                if rs == s:
+                    for i in ti.static(range(VH)):
+                        for j in ti.static(range(VD)):
+                            buf[(vh0 + i) * D + dg + DG * j] = acc[i, j]
+                ti.simt.block.sync()
+                if rs == 0:
+                    for i in ti.static(range(VH)):
+                        for j in ti.static(range(VD)):
+                            acc[i, j] = acc[i, j] + buf[(vh0 + i) * D + dg + DG * j]
+                ti.simt.block.sync()
+            if rs == 0:
+                for i in ti.static(range(VH)):
+                    for j in ti.static(range(VD)):
+                        partials[g, kvh * G + vh0 + i, wg, 2 + dg + DG * j] = acc[i, j]
+
+    return producer
+
+
+__all__ = ["SHARED_BUDGET_BYTES", "TilePlan", "build_gpu_producer", "gpu_tile_plan"]

@@ -1,0 +1,69 @@
+"""The GPU producer's static shape and the GPU split geometry: pure arithmetic, checked on every machine."""
+
+import pytest
+
+from muser_ti.kernels.common import WORKGROUP_THREADS
+from muser_ti.kernels.producer_gpu import SHARED_BUDGET_BYTES, gpu_tile_plan
+from muser_ti.kernels.splitk import GPU_MAX_WORKGROUPS, GPU_TARGET_WORKGROUPS, gpu_split_geometry, splitk_geometry
+
+GROUPS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64, 128]
+HEAD_DIMS = [64, 128, 256]
+
+
+def plans():
+    for arch, budget in SHARED_BUDGET_BYTES.items():
+        for G in GROUPS:
+            for D in HEAD_DIMS:
+                try:
+                    yield arch, budget, gpu_tile_plan(G, D, budget)
+                except ValueError as exc:  # only when the queries alone take half the budget
+                    assert "fits" in str(exc) and 4 * G * D > budget // 2, (arch, G, D, exc)
+
+
+@pytest.mark.parametrize("backend_name, budget, p", list(plans()), ids=str)
+def test_plan_covers_every_score_and_output_within_budget(backend_name, budget, p):
+    T = WORKGROUP_THREADS
+    assert p.shared_bytes <= budget
+    # scores: HG head groups x RG row groups of threads, each HB heads x RB rows, cover G x R exactly once
+    assert p.HB * p.HG == p.G and p.HG * p.RG <= T and p.RG * p.RB == p.R
+    # values: RS slices x HGV head groups x DG dim groups of threads, each VH heads x VD dims
+    assert p.VH * p.HGV == p.G and p.VD * p.DG == p.D and p.RS * p.HGV * p.DG <= T and p.RS >= 1
+    assert p.HB * p.RB <= 64  # score accumulators per thread (register pressure)
+    # value accumulators: at most 4 heads x 8 dims, unless no divisor of G up to 4 lets the threads cover G
+    assert p.VH <= 4 or not any(p.G % d == 0 and (p.G // d) * p.DG <= T for d in range(1, 5))
+    # K chunks (R rows x DC dims) and V chunks (VR rows x D dims) move the same count, a multiple of T
+    assert p.R * p.DC == p.VR * p.D and (p.R * p.DC) % T == 0 and p.D % p.DC == 0 and p.R % p.VR == 0
+    assert p.BUF >= max(p.R * (p.DC + 1), p.VR * (p.D + 1)) and (p.RS == 1 or p.BUF >= p.G * p.D)
+    assert p.R <= 256 and p.RG & (p.RG - 1) == 0  # tiles of a power-of-two row groups
+
+
+def test_glimmer_plan_is_the_measured_one():
+    """The shape docs/PERF.md measured on the H200 (run 5) for 16 heads per KV head, d 128."""
+    p = gpu_tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"])
+    assert (p.HB, p.RB, p.R, p.DC, p.VR, p.VH, p.VD, p.RS) == (8, 4, 256, 16, 32, 4, 8, 2)
+    assert p.shared_bytes == 47808
+    assert p.shared_bytes <= 48 * 1024
+
+
+def test_plan_refuses_groups_wider_than_the_workgroup():
+    with pytest.raises(ValueError, match="heads per KV head 256 must be <= 128"):
+        gpu_tile_plan(256, 128, SHARED_BUDGET_BYTES["cuda"])
+
+
+@pytest.mark.parametrize("visible", [1, 31, 33, 1000, 2048, 2049, 4097, 32768, 131072])
+@pytest.mark.parametrize("n_pairs", [1, 2, 26, 78, 300])
+def test_gpu_split_is_one_wave_and_keeps_the_chapters_nsg(visible, n_pairs):
+    nwg, nsg = gpu_split_geometry(visible, n_pairs)
+    assert nsg == splitk_geometry(visible)[1]
+    runs = -(-((visible + 31) // 32) // nsg)
+    assert 1 <= nwg <= min(runs, GPU_MAX_WORKGROUPS)  # never an empty workgroup
+    # one wave: never more workgroups than the target unless every pair needs at least one
+    assert nwg * n_pairs <= max(GPU_TARGET_WORKGROUPS, n_pairs)
+    if runs * n_pairs >= 2 * GPU_TARGET_WORKGROUPS:  # enough work: the wave is at least half full
+        assert nwg * n_pairs * 2 >= GPU_TARGET_WORKGROUPS
+
+
+def test_gpu_split_target_override(monkeypatch):
+    monkeypatch.setenv("MUSER_GPU_TARGET_WORKGROUPS", "1")
+    assert gpu_split_geometry(131072, 2) == (1, 4)
+    assert gpu_split_geometry(131072, 2, target=528) == (264, 4)
