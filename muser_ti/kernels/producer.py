@@ -12,7 +12,8 @@ sibling query heads of that KV head, so each K/V row is loaded once for the whol
 Block ownership (the chapter's rule): block ``b`` belongs to workgroup ``(b // nsg) % nwg`` and
 simdgroup ``b % nsg``; a workgroup therefore owns runs of ``nsg`` consecutive blocks, every
 ``nwg * nsg`` blocks.  Both paths walk exactly those blocks, in increasing order, with one running
-``(M, S, O)`` per head and a per-block online-softmax update (block max, rescale, accumulate).
+``(M, S, O)`` per head and an online-softmax update (tile max, rescale, accumulate) per 32-row block
+on the CPU and per tile of up to 256 owned rows on the GPU (the same sum, in a different grouping).
 
 Two code paths from one source, chosen by ``ti.static``:
 * CPU (serial): the outer loop over work items is what Taichi parallelises.  Inside, Q, the block's
