@@ -22,7 +22,7 @@ from .kernels.common import HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, on_gpu
 from .kernels.interleaved import build_interleaved
 from .kernels.splitk import build_splitk, gpu_split_geometry, splitk_geometry
 from .kernels.stores import build_stores
-from .planes import PlaneError, PlaneSet, PlaneState, ring_rows_to_write, visible_span, window_of
+from .planes import PlaneError, PlaneSet, PlaneState, plane_shape, ring_rows_to_write, visible_span, window_of
 from .reference import attend
 
 GRAPHS = ("teacher", "serving")
@@ -193,9 +193,7 @@ class Engine:
             self.mirror.set_state(kind, st)
 
     def _alloc_plane(self, kind: str, capacity: int):
-        g = self.cfg
-        n = len(self.planes[kind].layers)
-        shape = (n, capacity, g.n_kv_heads, g.head_dim) if kind == SWA else (n, g.n_kv_heads, capacity, g.head_dim)
+        shape = plane_shape(self.cfg, kind, len(self.planes[kind].layers), capacity)
         return ti.ndarray(ti.f16, shape), ti.ndarray(ti.f16, shape)
 
     def _group(self, layers: tuple[int, ...]) -> _Group:
@@ -325,10 +323,13 @@ class Engine:
         k_dev, v_dev = self._upload(self._k_cur, k), self._upload(self._v_cur, v)
         out = np.empty_like(q) if not on_gpu() else None
         out_dev = out if out is not None else self._out
-        vec_out = out if out is not None else np.empty_like(q)  # GPU (Metal): the bridge's results, merged below
         by_route: dict[str, list[int]] = {}
         for layer, r in enumerate(routes):
             by_route.setdefault(r, []).append(layer)
+        vec_layers = [layer for r in ladder.PINNED_ROUTES for layer in by_route.get(r, [])]
+        vec_out = out  # GPU (Metal): the bridge's results land on the host, merged into the output below
+        if out is None and vec_layers:
+            vec_out = np.empty_like(q)
 
         if SWA in self.planes:
             st = new_states[SWA]
@@ -368,8 +369,8 @@ class Engine:
         self.route_counts.update(routes)
         if out is None:
             out = self._out.to_numpy()
-            vec_layers = [layer for layer, r in enumerate(routes) if r in ladder.PINNED_ROUTES]
-            out[vec_layers] = vec_out[vec_layers]
+            if vec_layers:
+                out[vec_layers] = vec_out[vec_layers]
         return out
 
     def rewind(self, position: int) -> None:

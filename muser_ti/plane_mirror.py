@@ -42,20 +42,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .config import NOPE, SWA, Geometry
-from .planes import PlaneState
+from .planes import PlaneState, plane_shape
 
 ALIGN = 64  # bytes: every allocation starts on a 64-byte boundary (the bridge needs 8 for K/V, 16 for Q/out)
 
 
 class MirrorError(RuntimeError):
     """The mirror's bookkeeping was asked for something inconsistent (a bug in the caller, not bad input)."""
-
-
-def plane_shape(cfg: Geometry, kind: str, n_layers: int, capacity: int) -> tuple[int, int, int, int]:
-    """The engine's plane shape: token-major ring for SWA, head-major plane for NoPE."""
-    if kind == SWA:
-        return (n_layers, capacity, cfg.n_kv_heads, cfg.head_dim)
-    return (n_layers, cfg.n_kv_heads, capacity, cfg.head_dim)
 
 
 def tail_bytes(cfg: Geometry, kind: str) -> int:
@@ -67,6 +60,15 @@ def tail_bytes(cfg: Geometry, kind: str) -> int:
 
 
 # ---- backings ---------------------------------------------------------------------------------
+def _find(allocations: dict, a: np.ndarray, what: str) -> tuple[object, int, int]:
+    """(allocation, byte offset of ``a`` in it, its size) among ``{base address: allocation}``."""
+    addr = a.__array_interface__["data"][0]
+    for base, alloc in allocations.items():
+        if base <= addr and addr + a.nbytes <= base + alloc.nbytes:
+            return alloc, addr - base, alloc.nbytes
+    raise MirrorError(f"array does not lie inside any {what} of this backing")
+
+
 class HostBacking:
     """Plain numpy memory.  Used to test the mirror off macOS; the CPU vec route can read it via ggml."""
 
@@ -87,11 +89,7 @@ class HostBacking:
 
     def locate(self, a: np.ndarray) -> tuple[object, int, int]:
         """(block, byte offset of ``a`` in it, block size in bytes) for an array inside one allocation."""
-        addr = a.__array_interface__["data"][0]
-        for base, block in self._blocks.items():
-            if base <= addr and addr + a.nbytes <= base + block.nbytes:
-                return block, addr - base, block.nbytes
-        raise MirrorError("array does not lie inside any allocation of this backing")
+        return _find(self._blocks, a, "allocation")
 
     def free(self, a: np.ndarray) -> None:
         block, _, _ = self.locate(a)
@@ -126,11 +124,7 @@ class MetalBacking:
         return buf.array(dtype, shape)
 
     def locate(self, a: np.ndarray) -> tuple[object, int, int]:
-        addr = a.__array_interface__["data"][0]
-        for base, buf in self._buffers.items():
-            if base <= addr and addr + a.nbytes <= base + buf.nbytes:
-                return buf, addr - base, buf.nbytes
-        raise MirrorError("array does not lie inside any bridge buffer of this backing")
+        return _find(self._buffers, a, "bridge buffer")
 
     def free(self, a: np.ndarray) -> None:
         buf, _, _ = self.locate(a)

@@ -25,6 +25,13 @@ from .config import NOPE, SWA, Geometry
 NOPE_INITIAL_ROWS = 64  # first allocation of a growing plane (>= 32, so a normal session is vec-eligible)
 
 
+def plane_shape(cfg: Geometry, kind: str, n_layers: int, rows: int) -> tuple[int, int, int, int]:
+    """Storage shape of a class's planes: token-major ring for SWA, head-major plane for NoPE."""
+    if kind == SWA:
+        return (n_layers, rows, cfg.n_kv_heads, cfg.head_dim)
+    return (n_layers, cfg.n_kv_heads, rows, cfg.head_dim)
+
+
 class PlaneError(ValueError):
     """A plane cannot do what was asked (hold a window, rewind that far, grow past its cap)."""
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from .config import NOPE, SWA, ConfigError, Geometry, geometry_from_dict
 from .engine import Engine, EngineError
-from .planes import PlaneState
+from .planes import PlaneState, plane_shape
 
 FORMAT = "muser-ti-snapshot"
 VERSION = 1
@@ -235,7 +235,7 @@ def read_snapshot(path: str | os.PathLike) -> _Snapshot:
     for kind in kinds:
         n = len(getattr(geom, f"{kind}_layers"))
         st = PlaneState(**{f: planes[kind][f] for f in _STATE_FIELDS})
-        shape = (n, st.capacity, KV, D) if kind == SWA else (n, KV, st.len, D)
+        shape = plane_shape(geom, kind, n, st.capacity if kind == SWA else st.len)  # NoPE: live rows only
         expected[f"{kind}.k"] = expected[f"{kind}.v"] = (shape, np.dtype(PLANE_DTYPE))
     graph = meta.get("graph")
     if graph not in ("teacher", "serving"):
@@ -299,7 +299,7 @@ def _apply(engine: Engine, snap: _Snapshot) -> None:
         st = snap.state(kind)
         k, v = snap.tensors[f"{kind}.k"], snap.tensors[f"{kind}.v"]
         if kind == NOPE:
-            full_k = np.zeros((k.shape[0], g.n_kv_heads, st.capacity, g.head_dim), PLANE_DTYPE)
+            full_k = np.zeros(plane_shape(g, kind, k.shape[0], st.capacity), PLANE_DTYPE)
             full_v = np.zeros_like(full_k)
             full_k[:, :, : st.len] = k
             full_v[:, :, : st.len] = v

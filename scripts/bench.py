@@ -342,20 +342,31 @@ def main(argv=None) -> int:
     if args.arch in ("cuda", "vulkan"):
         return gpu_main(args, base, rng, argv)
     peers = Peers(base, args.repeats)
-    for depth in [int(x) for x in args.layer_depths.split(",") if x]:
+    for depth in int_list(args.layer_depths):
         for route in [r for r in args.routes.split(",") if r]:
             rows.append(bench_layer(base, route, depth, args.arch, peers, rng, args.repeats))
             print(json.dumps(rows[-1]), flush=True)
-    for depth in [int(x) for x in args.step_depths.split(",") if x]:
+    for depth in int_list(args.step_depths):
         rows.append(bench_step(base, depth, args.arch, peers, rng, args.repeats))
         print(json.dumps(rows[-1]), flush=True)
-    info = {"machine": machine(), "arch": args.arch, "config": base.source, "repeats": args.repeats,
-            "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]), "rows": rows}
-    print_table(rows, f"{base.name} on {args.arch}: medians of {args.repeats} ({info['machine'].get('cpu', '')})")
+    info = {"machine": machine(), "arch": args.arch, "config": base.source, "repeats": args.repeats}
+    return report(rows, info, args, argv, f"{base.name} on {args.arch}: medians of {args.repeats} "
+                                          f"({info['machine'].get('cpu', '')})")
+
+
+def report(rows: list[dict], info: dict, args, argv, title: str) -> int:
+    """Print the table and write the JSON (rows, machine, the command that made them)."""
+    info = {**info, "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "rows": rows}
+    print_table(rows, title)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(info, indent=2))
     return 0
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def gpu_main(args, base, rng, argv) -> int:
@@ -372,21 +383,16 @@ def gpu_main(args, base, rng, argv) -> int:
         print(f"device copy bandwidth: {COPY_GB_S:.0f} GB/s", flush=True)
     rows = []
     if args.mode == "layers":
-        for depth in [int(x) for x in args.layer_depths.split(",") if x]:
+        for depth in int_list(args.layer_depths):
             for route in [r for r in args.routes.split(",") if r]:
                 rows.append(gpu_layer(base, route, depth, args.arch, rng, args.repeats, torch))
                 print(json.dumps(rows[-1]), flush=True)
     else:
-        for depth in [int(x) for x in args.step_depths.split(",") if x]:
+        for depth in int_list(args.step_depths):
             rows.append(gpu_step(base, depth, args.arch, rng, args.repeats, torch))
             print(json.dumps(rows[-1]), flush=True)
-    info = {"machine": machine(), "arch": args.arch, "mode": args.mode, "copy_gb_s": COPY_GB_S,
-            "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]), "rows": rows}
-    print_table(rows, f"{base.name} on {args.arch} ({args.mode}): medians of {args.repeats}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(info, indent=2))
-    return 0
+    info = {"machine": machine(), "arch": args.arch, "mode": args.mode, "copy_gb_s": COPY_GB_S}
+    return report(rows, info, args, argv, f"{base.name} on {args.arch} ({args.mode}): medians of {args.repeats}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import taichi as ti
 
 from muser_ti.kernels.common import on_gpu
 from muser_ti.kernels.interleaved import build_interleaved
-from muser_ti.kernels.producer import VISIT_OWNER
+from muser_ti.kernels.common import VISIT_OWNER
 from muser_ti.kernels.splitk import block_owner, build_splitk, splitk_geometry
 
 

@@ -23,6 +23,22 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype):
         out_t = ti.types.ndarray(dtype=out_dtype, ndim=3)
 
         @ti.func
+        def tree(red: ti.template(), tid, is_max: ti.template()):
+            """Reduce red[0:T] into red[0] (max or sum), halving the active threads each step; every
+            thread reads the result."""
+            ti.simt.block.sync()
+            width = T // 2
+            while width > 0:
+                if tid < width:
+                    if ti.static(is_max):
+                        red[tid] = ti.max(red[tid], red[tid + width])
+                    else:
+                        red[tid] = red[tid] + red[tid + width]
+                ti.simt.block.sync()
+                width //= 2
+            return red[0]
+
+        @ti.func
         def global_max(partials: ti.template(), g, h, nwg):
             gmax = partials[g, h, 0, 0]
             for i in range(1, nwg):
@@ -62,15 +78,8 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype):
                         local = ti.max(local, partials[g, h, i, 0])
                         i += T
                     red[tid] = local
-                    ti.simt.block.sync()
-                    width = T // 2
-                    while width > 0:  # tree max
-                        if tid < width:
-                            red[tid] = ti.max(red[tid], red[tid + width])
-                        ti.simt.block.sync()
-                        width //= 2
-                    gmax = red[0]
-                    ti.simt.block.sync()
+                    gmax = tree(red, tid, True)
+                    ti.simt.block.sync()  # everyone has read red[0] before it is rewritten
                     local_sum = 0.0
                     i = tid
                     while i < nwg:
@@ -79,14 +88,7 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype):
                         local_sum += partials[g, h, i, 1] * f
                         i += T
                     red[tid] = local_sum
-                    ti.simt.block.sync()
-                    width = T // 2
-                    while width > 0:  # tree sum
-                        if tid < width:
-                            red[tid] = red[tid] + red[tid + width]
-                        ti.simt.block.sync()
-                        width //= 2
-                    total = red[0]
+                    total = tree(red, tid, False)
                     inv = 1.0 / total if total > 0.0 else 0.0
                     d = tid
                     while d < D:

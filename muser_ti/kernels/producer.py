@@ -32,10 +32,9 @@ from types import SimpleNamespace
 import taichi as ti
 
 from .. import backend
-from .common import BLOCK_ROWS, HEAD_MAJOR, RUNNING_MAX_INIT, TOKEN_MAJOR, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d
+from .common import BLOCK_ROWS, HEAD_MAJOR, RUNNING_MAX_INIT, TOKEN_MAJOR, VISIT_OWNER, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d
 from .producer_gpu import SHARED_BUDGET_BYTES, build_gpu_producer, gpu_tile_plan
 
-VISIT_OWNER = 64  # record mode adds 1 + 64*workgroup per visit: count = v % 64, owner = v // 64 (one visit)
 
 
 def addressing(layout: str, n_kv: int):

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import taichi as ti
 
-from .common import BLOCK_ROWS, RUNNING_MAX_INIT, WORKGROUP_THREADS, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d
+from .common import BLOCK_ROWS, RUNNING_MAX_INIT, VISIT_OWNER, WORKGROUP_THREADS, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d
 
 SHARED_BUDGET_BYTES = {"cuda": 48 * 1024, "vulkan": 48 * 1024, "metal": 32 * 1024}  # without opt-in
 K_CHUNK_DIMS = 16  # DC: dimensions of K staged per chunk ([R][DC+1] f32 = 17 KiB at R = 256)
@@ -45,8 +45,8 @@ LOAD_GROUP = 16  # chunk loads in flight per thread before their stores: 32 at o
 MAX_TILE_ROWS = 256  # R: rows per online-softmax update (the bookkeeping is paid once per tile)
 
 
-def _largest_divisor(n: int, at_most: int, ok=lambda d: True) -> int:
-    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0 and ok(d))
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,6 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
     NKC = D // DC  # K chunks per tile (V chunks: as many as the tile has rows for, see n_vc)
     SCORE_THREADS, VALUE_THREADS = p.HG * RG, RS * HGV * DG
     LG = min(LOAD_GROUP, LOADS)
-    VISIT_OWNER = 64  # the encoding of producer.VISIT_OWNER (a test pins both)
 
     @ti.func
     def tile_rows(o_first, count, wg, nwg, run, logical_start, capacity, origin_logical, origin_physical,
