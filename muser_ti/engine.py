@@ -17,11 +17,12 @@ import numpy as np
 import taichi as ti
 
 from . import backend, ladder, llama_rung, plane_mirror
+from .transfer import Transfer
 from .config import NOPE, SWA, Geometry
 from .kernels.common import HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, on_gpu
 from .kernels.interleaved import build_interleaved
 from .kernels.splitk import build_splitk, gpu_split_geometry, splitk_geometry
-from .kernels.stores import build_stores
+from .kernels.stores import build_stores, build_unpack
 from .planes import PlaneError, PlaneSet, PlaneState, plane_shape, ring_rows_to_write, visible_span, window_of
 from .reference import attend
 
@@ -99,6 +100,7 @@ class Engine:
         self.pinned_description = why
         self.graph = graph
         self._forced = self._parse_force(force)
+        self._layer_kinds = cfg.layer_kinds
 
         g = cfg
         self.planes: dict[str, PlaneSet] = {}
@@ -134,6 +136,13 @@ class Engine:
         self._q = ti.ndarray(ti.f32, (g.n_layers, H, D))
         self._k_cur = ti.ndarray(ti.f32, (g.n_layers, KV, D))
         self._v_cur = ti.ndarray(ti.f32, (g.n_layers, KV, D))
+        self._transfer = Transfer()  # per-token copies: the CUDA driver's memcpy where it can (transfer.py)
+        # Where copies go through Taichi (Vulkan, Metal) each one synchronises the device (~1-2 ms on the
+        # H200's Vulkan, docs/PERF.md run 7): q, k and v then travel as one packed array, unpacked on the device.
+        self._tokens = self._unpack = None
+        if on_gpu() and self._transfer.path == "taichi":
+            self._tokens = ti.ndarray(ti.f32, (g.n_layers, H + 2 * KV, D))
+            self._unpack = build_unpack(H, KV, D)
         self._groups: dict[tuple[int, ...], _Group] = {}
         self._graphs: dict[tuple, object] = {}  # GPU: compiled step graphs by dispatch structure
         self._recorded = None
@@ -299,10 +308,12 @@ class Engine:
         except PlaneError as exc:
             raise EngineError(str(exc)) from None
         strict = ladder.strict_attention()
-        routes = [
-            ladder.select(kind, new_states[kind], self.pinned_loaded, strict, self._forced.get(layer), layer)
-            for layer, kind in enumerate(g.layer_kinds)
-        ]
+        # the ladder depends on the layer's class and plane state only, so it is evaluated once per class;
+        # forced layers are checked one by one
+        chosen = {kind: ladder.choose_route(kind, st, self.pinned_loaded, strict) for kind, st in new_states.items()}
+        routes = [chosen[kind] if layer not in self._forced else
+                  ladder.select(kind, new_states[kind], self.pinned_loaded, strict, self._forced[layer], layer)
+                  for layer, kind in enumerate(self._layer_kinds)]
         pinned = sorted({r for r in routes if r in ladder.PINNED_ROUTES})
         if pinned and not self.pinned_loaded:
             raise PinnedUnavailable(
@@ -319,8 +330,13 @@ class Engine:
             # interleaved producer): the mirror gets the same row, before anything reads it
             for kind, st in new_states.items():
                 self.mirror.store(kind, [st.physical(p)], k[None], v[None])
-        self._q_dev = self._upload(self._q, q)
-        k_dev, v_dev = self._upload(self._k_cur, k), self._upload(self._v_cur, v)
+        if self._tokens is not None:
+            self._transfer.upload(self._tokens, np.concatenate((q, k, v), axis=1))
+            self._launch(self._unpack, self._tokens, self._q, self._k_cur, self._v_cur)
+            self._q_dev, k_dev, v_dev = self._q, self._k_cur, self._v_cur
+        else:
+            self._q_dev = self._upload(self._q, q)
+            k_dev, v_dev = self._upload(self._k_cur, k), self._upload(self._v_cur, v)
         out = np.empty_like(q) if not on_gpu() else None
         out_dev = out if out is not None else self._out
         by_route: dict[str, list[int]] = {}
@@ -368,7 +384,7 @@ class Engine:
         self.routes = routes
         self.route_counts.update(routes)
         if out is None:
-            out = self._out.to_numpy()
+            out = self._transfer.download(self._out, q.shape)
             if vec_layers:
                 out[vec_layers] = vec_out[vec_layers]
         return out
@@ -448,7 +464,7 @@ class Engine:
     def _upload(self, dev, a: np.ndarray):
         if not on_gpu():
             return a
-        dev.from_numpy(a)
+        self._transfer.upload(dev, a)
         return dev
 
     def _ensure_capacity(self, kind: str, capacity: int) -> None:

@@ -56,3 +56,25 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
                                copy_rows=copy_rows if layout == HEAD_MAJOR else None)
 
     return cached(("stores", D, KV, layout), build)
+
+
+def build_unpack(n_heads: int, n_kv: int, head_dim: int):
+    """One token's packed [layer, q heads | k heads | v heads, d] array into the q, k, v arrays the kernels
+    read: where host copies go through Taichi (Vulkan, Metal), a step uploads once instead of three times."""
+    H, KV, D = n_heads, n_kv, head_dim
+
+    def build():
+        @ti.kernel
+        def unpack(tokens: f32_3d, q: f32_3d, k_cur: f32_3d, v_cur: f32_3d):
+            for layer, r, d in ti.ndrange(tokens.shape[0], H + 2 * KV, D):
+                x = tokens[layer, r, d]
+                if r < H:
+                    q[layer, r, d] = x
+                elif r < H + KV:
+                    k_cur[layer, r - H, d] = x
+                else:
+                    v_cur[layer, r - H - KV, d] = x
+
+        return unpack
+
+    return cached(("unpack", H, KV, D), build)

@@ -1,0 +1,90 @@
+"""Host <-> device copies of the per-token arrays (q, k, v in; the attention output out).
+
+Taichi's ``Ndarray.from_numpy`` / ``to_numpy`` each launch a copy kernel over a temporary device copy
+of the numpy array and synchronise the device; a step made four of them (docs/PERF.md measures what
+that cost on the H200).  On CUDA this module copies with the driver's ``cuMemcpyHtoD`` / ``cuMemcpyDtoH``
+straight into the ndarray's own allocation: Taichi launches every kernel on the legacy default stream,
+on which these synchronous copies are ordered after the kernels before them and before the kernels
+after them.  Where the driver or the pointer is not available (Vulkan, Metal, the CPU), it falls back
+to Taichi's own copies, which are correct everywhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+import numpy as np
+import taichi as ti
+
+from . import backend
+
+
+class _CudaDriver:
+    """The three driver calls used here, bound once; None when libcuda is absent or has no context."""
+
+    def __init__(self, lib):
+        self.htod = lib.cuMemcpyHtoD_v2
+        self.htod.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
+        self.dtoh = lib.cuMemcpyDtoH_v2
+        self.dtoh.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+        self.current = lib.cuCtxGetCurrent
+        self.current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+
+    @classmethod
+    def load(cls) -> "_CudaDriver | None":
+        path = ctypes.util.find_library("cuda") or "libcuda.so.1"
+        try:
+            return cls(ctypes.CDLL(path))
+        except (OSError, AttributeError):
+            return None
+
+    def has_context(self) -> bool:
+        ctx = ctypes.c_void_p()
+        return self.current(ctypes.byref(ctx)) == 0 and bool(ctx.value)
+
+
+class Transfer:
+    """Uploads into and downloads from fixed f32 ndarrays, by the fastest path the backend allows."""
+
+    def __init__(self):
+        self.arch = backend.active()
+        self._driver = _CudaDriver.load() if self.arch == "cuda" else None
+        self._ptr: dict[int, int] = {}  # id(ndarray) -> device address (the arrays live as long as the engine)
+
+    @property
+    def path(self) -> str:
+        """"cuMemcpy" where the driver copies directly, else "taichi" (from_numpy / to_numpy)."""
+        return "cuMemcpy" if self._driver is not None else "taichi"
+
+    def _address(self, dev) -> int:
+        addr = self._ptr.get(id(dev))
+        if addr is None:
+            addr = int(ti.lang.impl.get_runtime().prog.get_ndarray_data_ptr_as_int(dev.arr))
+            self._ptr[id(dev)] = addr
+        return addr
+
+    def _direct(self, dev) -> int:
+        """The device address to copy to or from, or 0 to fall back (no context current on this thread)."""
+        if self._driver is None or not self._driver.has_context():
+            return 0
+        return self._address(dev)
+
+    def upload(self, dev, a: np.ndarray) -> None:
+        """dev[...] = a, for a C-contiguous float32 array of dev's shape."""
+        addr = self._direct(dev)
+        if addr and self._driver.htod(addr, a.ctypes.data, a.nbytes) == 0:
+            return
+        dev.from_numpy(a)
+
+    def download(self, dev, shape: tuple[int, ...]) -> np.ndarray:
+        """A new float32 host array holding dev."""
+        addr = self._direct(dev)
+        if addr:
+            out = np.empty(shape, np.float32)
+            if self._driver.dtoh(out.ctypes.data, addr, out.nbytes) == 0:
+                return out
+        return dev.to_numpy()
+
+
+__all__ = ["Transfer"]
