@@ -116,9 +116,11 @@ def activate(arch: str = "auto") -> str:
     # fast_math off: the reducers' exp must be the precise one (reduce_v2's precise::exp), and the
     # error bounds in tolerances.py assume it.
     # MUSER_TI_KERNEL_PROFILER=1: per-kernel device times (scripts/bench.py's GPU layer timings).
+    # MUSER_TI_PRINT_ASM=1: Taichi writes each CUDA module's PTX to the working directory (for ptxas -v).
     profiler = os.environ.get("MUSER_TI_KERNEL_PROFILER") == "1"
-    ti.init(arch=getattr(ti, want), fast_math=False, offline_cache=True, log_level=ti.WARN, unrolling_limit=0,
-            kernel_profiler=profiler)
+    print_asm = os.environ.get("MUSER_TI_PRINT_ASM") == "1"
+    ti.init(arch=getattr(ti, want), fast_math=False, offline_cache=not print_asm, log_level=ti.WARN, unrolling_limit=0,
+            kernel_profiler=profiler, print_kernel_asm=print_asm)
     got = ti.lang.impl.current_cfg().arch.name
     if got != {"cpu": "x64"}.get(want, want) and not (want == "cpu" and got in ("x64", "arm64")):
         ti.reset()

@@ -7,6 +7,9 @@
 #   steps  the 52-layer step on CUDA and Vulkan
 #   final  the suite on both backends, CUDA layers, steps on both backends
 #   kernel after a producer change: CUDA layers at two workgroup targets, and ncu on one deep layer
+#   tune   tile variants of the GPU producer in one process, with ptxas -v on each (scripts/tune_gpu.py)
+#   ncu    ncu's counters on one NoPE layer at 131,072 keys
+#   hoststep  where a 52-layer step's wall time goes on CUDA and Vulkan; Vulkan tile variants by wall time
 # Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama) and .gl (libvulkan1...).
 set -uo pipefail
 what=${1:-bench}
@@ -40,7 +43,7 @@ if [ "$what" = bench ]; then
 fi
 if [ "$what" = quick ]; then  # CUDA layers and steps, Vulkan steps: the figures a kernel change moves
   bench cuda-layers MUSER_TI_KERNEL_PROFILER=1 timeout 150 python3 scripts/bench.py --arch cuda --mode layers \
-    --layer-depths 2048,32768,131072 --routes interleaved,splitk --repeats 15 --json "$OUT/cuda-layers.json"
+    --layer-depths 2048,8192,32768,131072 --routes interleaved,splitk --repeats 15 --json "$OUT/cuda-layers.json"
   bench cuda-steps timeout 120 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,32768,131072 \
     --repeats 15 --json "$OUT/cuda-steps.json"
   bench vulkan-steps timeout 120 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
@@ -80,4 +83,37 @@ if [ "$what" = steps ]; then  # the 52-layer step on both backends (after a spli
 fi
 if [ "$what" = tests ]; then
   timeout 560 python3 -m pytest -q -p no:cacheprovider --arch cuda --arch vulkan tests/ 2>&1 | tee "$OUT/tests.log" | tail -25
+fi
+ptx_report() {  # registers and spills of every producer module Taichi printed (MUSER_TI_PRINT_ASM=1)
+  local ptxas; ptxas=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
+  for f in taichi_kernel_nvptx_*.ptx; do
+    grep -q "\.entry producer" "$f" || continue
+    echo "$f $(grep -m1 -o '\.maxntid [0-9, ]*' "$f") $(grep -m1 -o '\.minnctapersm [0-9]*' "$f")"
+    "$ptxas" -arch=sm_90 -v "$f" -o /dev/null 2>&1 | grep -E "registers|spill" | sed 's/^/    /'
+    cp "$f" "$OUT/"
+  done
+}
+if [ "$what" = tune ]; then  # tile variants of the GPU producer in one process (scripts/tune_gpu.py), with ptxas -v
+  variants=${TUNE_VARIANTS:-";T=256,HB=4;T=256,HB=4,VH=2;T=128,HB=4;T=128,HB=4,VH=2;T=256"}
+  MUSER_TI_PRINT_ASM=1 MUSER_TI_KERNEL_PROFILER=1 timeout 400 python3 scripts/tune_gpu.py tiles --arch cuda \
+    --depths ${TUNE_DEPTHS:-2048,32768,131072} --variants "$variants" --json "$OUT/tune-cuda.json" > "$OUT/tune-cuda.log" 2>&1
+  echo "== tune cuda rc=$?"; grep -E '^\{' "$OUT/tune-cuda.log" | python3 -c '
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l)
+    print("  %-22s %7d dev %8.1f us wall %8.1f us err %.1e same-bits %s compile %ss %s" % (r["variant"], r["depth"],
+          r.get("device_us", 0), r.get("wall_us", 0), r.get("rel_err", -1), r.get("bits_as_default"), r.get("first_launch_s"), r.get("error", "")))'
+  ptx_report
+fi
+if [ "$what" = hoststep ]; then  # where a step's wall time goes, CUDA and Vulkan; Vulkan tile variants by wall time
+  for arch in cuda vulkan; do
+    timeout 150 python3 scripts/tune_gpu.py step --arch $arch --depth 2048 --json "$OUT/step-$arch.json" > "$OUT/step-$arch.log" 2>&1
+    echo "== step $arch rc=$?"; grep -E '^\{' "$OUT/step-$arch.log"
+  done
+  timeout 200 python3 scripts/tune_gpu.py tiles --arch vulkan --depths 2048,131072 --variants "${TUNE_VARIANTS:-}" \
+    --json "$OUT/tune-vulkan.json" > "$OUT/tune-vulkan.log" 2>&1
+  echo "== tune vulkan rc=$?"; grep -E '^\{' "$OUT/tune-vulkan.log" | cut -c1-400
+fi
+if [ "$what" = ncu ]; then  # ncu's counters on one deep NoPE layer's producer
+  ncu_layer producer /tmp/site:$PWD
 fi

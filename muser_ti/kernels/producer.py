@@ -33,7 +33,7 @@ import taichi as ti
 
 from .. import backend
 from .common import BLOCK_ROWS, HEAD_MAJOR, RUNNING_MAX_INIT, TOKEN_MAJOR, VISIT_OWNER, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d
-from .producer_gpu import SHARED_BUDGET_BYTES, build_gpu_producer, gpu_tile_plan
+from .producer_gpu import SHARED_BUDGET_BYTES, build_gpu_producer, gpu_tile_plan, tile_overrides
 
 
 
@@ -82,7 +82,7 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
     """
     at = addressing(layout, n_kv)
     if gpu:
-        plan = gpu_tile_plan(heads_per_kv, head_dim, SHARED_BUDGET_BYTES[backend.active()])
+        plan = gpu_tile_plan(heads_per_kv, head_dim, SHARED_BUDGET_BYTES[backend.active()], **tile_overrides())
         return build_gpu_producer(plan, n_kv, bypass, record, at)
     return _build_cpu_producer(head_dim, heads_per_kv, n_kv, bypass, record, at)
 

@@ -1,49 +1,61 @@
-"""The split-K producer's GPU path: big register-blocked tiles staged through shared memory in chunks.
+"""The split-K producer's GPU path: register-blocked tiles staged through shared memory in chunks.
 
 What bounds decode attention on a GPU without tensor cores (Taichi has none) is not DRAM but the
-instruction issue around the FMAs: every FMA needs its two operands in registers, and the only way to
-share a K/V element among the G sibling query heads is shared memory, one scalar load per operand
-(Taichi 1.7.4 emits no vector shared loads; warp shuffles exist on CUDA only and cost as much).
-On Hopper an SM issues four FMA instructions per clock but about one shared-memory load, so the
-kernel is shaped to raise FMAs per shared load:
+instruction issue around the FMAs, and the latency that issue cannot hide: every FMA needs its two
+operands in registers, and the only way to share a K/V element among the G sibling query heads is
+shared memory, one scalar load per operand (Taichi 1.7.4 emits no vector shared loads; warp shuffles
+exist on CUDA only).  The kernel is shaped so that FMAs per shared load stay high *and* enough warps
+are resident to hide the global and shared loads:
 
 * scores: each thread owns HB heads x RB rows of the tile, so per dimension it loads HB query and
-  RB key values and does HB*RB FMAs (8 x 4 for Glimmer: 12 loads per 32 FMAs; the first GPU kernel
-  did 6 per 8);
+  RB key values and does HB*RB FMAs (4 x 2 for Glimmer: 6 loads per 8 FMAs);
 * values: each thread owns VH heads x VD dims and a slice of the tile's rows (4 x 8: 12 loads per
   32 FMAs); the RS row slices are summed once per workgroup at the end;
-* a tile is R rows (256 for Glimmer) so that the softmax bookkeeping (three barriers, two tiny
-  reductions) is paid once per 256 rows, not per 32; the running sum of weights stays per thread and
+* a tile is R rows (128 for Glimmer) so that the softmax bookkeeping (three barriers, two tiny
+  reductions) is paid once per 128 rows, not per 32; the running sum of weights stays per thread and
   is reduced once per workgroup;
 * K is staged in chunks of DC dimensions ([R][DC+1] f32, padded so the RB rows a warp reads sit in
-  different banks) and V in chunks of VR rows ([VR][D+1]), both through one buffer, so the whole
-  workgroup fits the 48 KiB CUDA and Vulkan allow without opt-in (32 KiB on Metal: smaller tiles);
-* LOAD_GROUP loads of a chunk are issued before any of their stores, so each thread keeps 16 DRAM
-  reads in flight (a prefetch of the whole next chunk into registers measured slower: it spilled).
+  different banks) and V in chunks of VR rows ([VR][D+1]), both through one buffer: 30.2 KiB of
+  shared memory for Glimmer, inside Metal's 32 KiB, so every backend runs the same tile;
+* LG loads of a chunk are issued before any of their stores (a prefetch of the whole next chunk into
+  registers measured slower: it spilled).
 
-Known deficit (ncu on the H200, docs/PERF.md run 5): Taichi's code for this kernel takes 255 registers
-per thread and still spills, so an SM holds only 2 workgroups (8 warps); one NoPE layer at 131,072
-keys takes 323 us against torch SDPA's 56 us.
+Registers decide occupancy, and Taichi decides the register cap: it marks every CUDA kernel
+``.maxntid T`` and ``.minnctapersm 2``, so ptxas may use 65,536 / (2 T) registers per thread (seen
+in the PTX, docs/PERF.md run 7).  With T = 128 the first tiled kernel took 255 registers and an SM
+held 2 workgroups of 4 warps; with T = 256 the cap is 128, an SM holds 2 workgroups of 8 warps, and
+the same layer ran 1.27x faster despite 588 bytes of spills per thread (ptxas -v).  Taichi's
+``gpu_max_reg`` never reaches the driver in 1.7.4, so T is the only register knob there is.
+
+Known deficit (H200, docs/PERF.md run 7): one NoPE layer at 131,072 keys takes ~260 us against torch
+SDPA's ~56 us; the kernel executes about 3 instructions per FMA (ncu, run 5) and torch uses tensor
+cores, which Taichi cannot.
 
 Block ownership is the chapter's (block b belongs to workgroup (b // nsg) % nwg): a workgroup walks
 its owned rows in increasing order, R at a time, with one online-softmax update per tile.
 """
 
-
+import os
 from dataclasses import dataclass
 
 import taichi as ti
 
-from .common import BLOCK_ROWS, RUNNING_MAX_INIT, VISIT_OWNER, WORKGROUP_THREADS, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d
+from .common import BLOCK_ROWS, RUNNING_MAX_INIT, VISIT_OWNER, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d
 
 SHARED_BUDGET_BYTES = {"cuda": 48 * 1024, "vulkan": 48 * 1024, "metal": 32 * 1024}  # without opt-in
-K_CHUNK_DIMS = 16  # DC: dimensions of K staged per chunk ([R][DC+1] f32 = 17 KiB at R = 256)
-MAX_BLOCKING = 8  # HB: score heads per thread; VD: value dims per thread
-MAX_VALUE_HEADS = 4  # VH: 4 x 8 = 32 accumulators.  With 8 x 8 (16 loads per 64 FMAs) and a prefetched
-#                      chunk the kernel spilled twice as much on the H200 (ncu, docs/PERF.md run 5)
-LOAD_GROUP = 16  # chunk loads in flight per thread before their stores: 32 at once spilled too
-MAX_TILE_ROWS = 256  # R: rows per online-softmax update (the bookkeeping is paid once per tile)
-
+GPU_PRODUCER_THREADS = 256  # T: 256 caps ptxas at 128 registers (see above).  Measured on the H200, one NoPE
+#                            layer at 131,072 / 32,768 / 2,048 keys: 326 / 113 / 67 us at T = 128 (8 x 4
+#                            score tiles, 255 registers), 262 / 96 / 50 us at T = 256 (docs/PERF.md run 7)
+K_CHUNK_DIMS = 16  # DC: dimensions of K staged per chunk ([R][DC+1] f32 = 8.5 KiB at R = 128)
+MAX_SCORE_HEADS = 4  # HB: 8 heads x 4 rows at T = 256 do not fit 48 KiB with 256-row tiles; 8 x 1 at 128 rows
+#                      ran 275 us at 131,072 keys, against 262 for 4 x 2 (run 7)
+MAX_VALUE_DIMS = 8  # VD: value dims per thread
+MAX_VALUE_HEADS = 4  # VH: 4 x 8 = 32 accumulators.  2 x 8 ran 307 us against 257 at T = 256 (run 7); 8 x 8
+#                      with a prefetched chunk spilled twice as much at T = 128 (ncu, run 5)
+LOAD_GROUP = 16  # LG cap: loads in flight per thread before their stores; 8 and 4 ran 10 % and 23 %
+#                  slower than 16 with 256-row tiles (run 7); 128-row tiles move 8 per thread per chunk
+MAX_TILE_ROWS = 128  # R: 256-row tiles ran 64 / 101 / 257 us at 2,048 / 32,768 / 131,072 keys against 50 /
+#                      96 / 262 for 128 rows (run 7): short windows leave long tiles mostly empty
 
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
@@ -70,31 +82,40 @@ class TilePlan:
     RS: int  # row slices in the value pass
     L2: int  # threads per head in the tile-max reduction
     BUF: int  # floats in the K/V chunk buffer
+    LG: int  # chunk loads each thread issues before their stores (divides the chunk's loads per thread)
     shared_bytes: int
 
 
-def gpu_tile_plan(G: int, D: int, budget: int, T: int = WORKGROUP_THREADS) -> "TilePlan":
-    """Choose the largest tile that fits ``budget`` bytes of shared memory; pure arithmetic, tested."""
+def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB: int = MAX_SCORE_HEADS,
+                  VH: int = MAX_VALUE_HEADS, R: int = MAX_TILE_ROWS, LG: int = LOAD_GROUP) -> "TilePlan":
+    """Choose the largest tile that fits ``budget`` bytes of shared memory; pure arithmetic, tested.
+
+    T, HB, VH, R and LG cap the workgroup size, the score heads and value heads per thread, the tile
+    rows and the loads in flight (the defaults are the measured choice; MUSER_GPU_TILE overrides them,
+    see tile_overrides)."""
+    max_hb, max_vh, max_r = HB, VH, R
+    if T < 32 or T & (T - 1) or T > 1024:
+        raise ValueError(f"workgroup threads T={T}: expected a power of two in [32, 1024]")
     if G > T:
         raise ValueError(f"the GPU producer keeps one head per thread in its reductions: heads per KV head "
                          f"{G} must be <= {T}")
-    # score heads per thread: the most (<= 8) that leave a head-group count dividing T, so every
+    # score heads per thread: the most (up to the HB cap) that leave a head-group count dividing T, so every
     # thread has a row group (G = 24: 6 heads x 4 groups, not 8 x 3 with 2 threads idle)
-    HB = max((d for d in range(1, min(G, MAX_BLOCKING) + 1) if G % d == 0 and G // d <= T),
+    HB = max((d for d in range(1, min(G, max_hb) + 1) if G % d == 0 and G // d <= T),
              key=lambda d: (T % (G // d) == 0, d))
     HG = G // HB
     RG = 1 << (T // HG).bit_length() - 1  # a power of two, so tiles of R = RG x RB rows split into chunks
-    VD = _largest_divisor(D, MAX_BLOCKING)
+    VD = _largest_divisor(D, MAX_VALUE_DIMS)
     DG = D // VD
     # value heads per thread: the most up to 4 that the workgroup's threads cover; wide groups (more than
     # 4 x T / DG heads) need more per thread, at the cost of registers
     fits = [d for d in range(1, G + 1) if G % d == 0 and (G // d) * DG <= T]
-    VH = max([d for d in fits if d <= MAX_VALUE_HEADS], default=min(fits))
+    VH = max([d for d in fits if d <= max_vh], default=min(fits))
     HGV = G // VH
     RS = T // (HGV * DG)
     L2 = T // G
     DC = K_CHUNK_DIMS
-    for RB in range(MAX_TILE_ROWS // RG, 0, -1):  # the largest tile (R = RG x RB rows) that fits
+    for RB in range(max(1, max_r // RG), 0, -1):  # the largest tile (R = RG x RB rows) that fits
         R = RG * RB
         chunk = R * DC
         if chunk % D or chunk % T or R % (chunk // D):
@@ -104,9 +125,25 @@ def gpu_tile_plan(G: int, D: int, budget: int, T: int = WORKGROUP_THREADS) -> "T
         floats = G * D + buf + G * (R + 1) + G * RG + G * L2 + 2 * G
         shared = 4 * (floats + R)
         if shared <= budget:
-            return TilePlan(G, D, T, HB, HG, RG, RB, R, DC, VR, VH, VD, DG, HGV, RS, L2, buf, shared)
+            lg = _largest_divisor(chunk // T, LG)
+            return TilePlan(G, D, T, HB, HG, RG, RB, R, DC, VR, VH, VD, DG, HGV, RS, L2, buf, lg, shared)
     raise ValueError(f"no GPU tile for {G} heads per KV head at head_dim {D} fits {budget} bytes of shared memory "
                      f"(the queries alone take {4 * G * D})")
+
+
+TILE_KNOBS = ("T", "HB", "VH", "R", "LG")
+
+
+def tile_overrides(text: str | None = None) -> dict[str, int]:
+    """MUSER_GPU_TILE="T=256,VH=2" -> {"T": 256, "VH": 2}: the tile caps scripts/tune_gpu.py measures."""
+    text = os.environ.get("MUSER_GPU_TILE", "") if text is None else text
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        if key not in TILE_KNOBS or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"MUSER_GPU_TILE: {part!r}; expected KNOB=positive integer, knobs {list(TILE_KNOBS)}")
+        out[key] = int(value)
+    return out
 
 
 def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at):
@@ -120,7 +157,7 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
     LOADS = CHUNK // T  # elements each thread moves per chunk
     NKC = D // DC  # K chunks per tile (V chunks: as many as the tile has rows for, see n_vc)
     SCORE_THREADS, VALUE_THREADS = p.HG * RG, RS * HGV * DG
-    LG = min(LOAD_GROUP, LOADS)
+    LG = p.LG
 
     @ti.func
     def tile_rows(o_first, count, wg, nwg, run, logical_start, capacity, origin_logical, origin_physical,
@@ -362,4 +399,4 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
     return producer
 
 
-__all__ = ["SHARED_BUDGET_BYTES", "TilePlan", "build_gpu_producer", "gpu_tile_plan"]
+__all__ = ["GPU_PRODUCER_THREADS", "SHARED_BUDGET_BYTES", "TilePlan", "build_gpu_producer", "gpu_tile_plan", "tile_overrides"]

@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""GPU tuning measurements that need one process per backend, not one per variant.
+
+    python scripts/tune_gpu.py tiles --arch cuda --depths 2048,131072 --variants ";T=256,HB=4;T=256,HB=4,VH=2"
+    python scripts/tune_gpu.py step --arch cuda --depth 2048
+
+tiles: one NoPE layer (interleaved producer + reducer) per depth, prefilled once; every tile variant
+(a MUSER_GPU_TILE string, "" = the default plan) is built, checked against the float64 reference on
+the same planes, and timed: device time from Taichi's kernel profiler where it is on (CUDA), and the
+wall time of 20 back-to-back launches.  A variant that fails the accuracy bound is reported as such.
+
+step: where a whole 52-layer step's wall time goes at one depth: input checks, the uploads, the
+replayed graph alone, the download, against the full step, with the CUDA driver copies and with
+Taichi's from_numpy/to_numpy (transfer.py).
+
+Every figure is a median; rows are printed as JSON lines and written to --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import muser_ti as mt  # noqa: E402
+from bench import layer_geometry, prefill  # noqa: E402
+from muser_ti.kernels.common import HEAD_MAJOR  # noqa: E402
+from muser_ti.kernels.producer import addressing  # noqa: E402
+from muser_ti.kernels.producer_gpu import SHARED_BUDGET_BYTES, build_gpu_producer, gpu_tile_plan, tile_overrides  # noqa: E402
+from muser_ti.reference import relative_error  # noqa: E402
+from muser_ti.tolerances import F32_ROUTE_RTOL  # noqa: E402
+
+
+def median_s(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def emit(row: dict, rows: list) -> None:
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def tiles(args, rows) -> None:
+    import taichi as ti
+
+    base = mt.load_config(args.config)
+    profiled = os.environ.get("MUSER_TI_KERNEL_PROFILER") == "1"
+    rng = np.random.default_rng(args.seed)
+    producers: dict = {}  # plan -> kernel, built once and reused at every depth
+    for depth in args.depths:
+        cfg = layer_geometry(base, "interleaved", depth)
+        eng = mt.Engine(cfg, arch=args.arch, force="interleaved", pinned="off")
+        prefill(eng, depth - 1, rng)
+        q = rng.standard_normal((1, cfg.n_heads, cfg.head_dim), dtype=np.float32)
+        k = rng.standard_normal((1, cfg.n_kv_heads, cfg.head_dim), dtype=np.float32)
+        v = rng.standard_normal((1, cfg.n_kv_heads, cfg.head_dim), dtype=np.float32)
+        eng.step(q, k, v)
+        ref = eng.reference(q, k, v)
+        st, p, layers = eng.planes["nope"].state, eng.position - 1, tuple(cfg.nope_layers)
+        budget = SHARED_BUDGET_BYTES[eng.arch]
+        default = None
+        for variant in args.variants:
+            row = {"what": "tile variant", "arch": eng.arch, "depth": depth, "variant": variant or "default"}
+            # "wg=N" in a variant: the workgroup target of the split (MUSER_GPU_TARGET_WORKGROUPS) for it
+            parts = [x for x in variant.split(",") if x]
+            tile = ",".join(x for x in parts if not x.startswith("wg="))
+            target = [x[3:] for x in parts if x.startswith("wg=")]
+            if target:
+                os.environ["MUSER_GPU_TARGET_WORKGROUPS"] = target[0]
+            else:
+                os.environ.pop("MUSER_GPU_TARGET_WORKGROUPS", None)
+            try:
+                plan = gpu_tile_plan(cfg.heads_per_kv, cfg.head_dim, budget, **tile_overrides(tile))
+            except ValueError as exc:
+                emit({**row, "error": str(exc)}, rows)
+                continue
+            row["plan"] = {k: getattr(plan, k) for k in ("T", "HB", "RB", "R", "VH", "VD", "RS", "LG", "shared_bytes")}
+            if plan not in producers:
+                producers[plan] = build_gpu_producer(plan, cfg.n_kv_heads, bypass=True, record=False,
+                                                     at=addressing(HEAD_MAJOR, cfg.n_kv_heads))
+            producer = producers[plan]
+
+            def launch():
+                eng._run_producer(producer, eng._reduce_v2, "nope", layers, st, p, eng._k_cur, eng._v_cur, eng._out)
+
+            eng._out.fill(float("nan"))  # the variant must write every output itself
+            t0 = time.perf_counter()
+            launch()
+            ti.sync()
+            row["first_launch_s"] = round(time.perf_counter() - t0, 2)  # the compile, at the first depth
+            out = eng._out.to_numpy()
+            row["rel_err"] = float(relative_error(out, ref)) if np.isfinite(out).all() else float("nan")
+            row["bits_as_default"] = bool(np.array_equal(out, default)) if default is not None else True
+            default = out if default is None else default
+            row["accurate"] = row["rel_err"] <= F32_ROUTE_RTOL
+            if profiled:
+                dev = []
+                for _ in range(args.repeats):
+                    ti.sync()
+                    ti.profiler.clear_kernel_profiler_info()
+                    launch()
+                    ti.sync()
+                    dev.append(ti.profiler.get_kernel_profiler_total_time())
+                row["device_us"] = statistics.median(dev) * 1e6
+
+            def burst():
+                for _ in range(20):
+                    launch()
+                ti.sync()
+
+            row["wall_us"] = median_s(burst, args.repeats) / 20 * 1e6
+            row["workgroups"] = eng.split_geometry(depth, 1)[0]
+            emit(row, rows)
+        os.environ.pop("MUSER_GPU_TARGET_WORKGROUPS", None)
+
+
+
+def step(args, rows) -> None:
+    import taichi as ti
+
+    cfg = mt.load_config(args.config)
+    rng = np.random.default_rng(args.seed)
+    eng = mt.Engine(cfg, arch=args.arch, pinned="off")
+    prefill(eng, args.depth - 1, rng)
+    q = rng.standard_normal((cfg.n_layers, cfg.n_heads, cfg.head_dim), dtype=np.float32)
+    k = rng.standard_normal((cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), dtype=np.float32)
+    v = rng.standard_normal((cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), dtype=np.float32)
+    p = eng.position
+    recorded = []
+    replay = eng._replay
+    eng._replay = lambda d: (recorded.append(list(d)), replay(d))[1]
+
+    def one_step():
+        if eng.position > p:
+            eng.rewind(p)
+        eng.step(q, k, v)
+
+    row = {"what": "step breakdown", "arch": eng.arch, "depth": args.depth, "transfer": eng._transfer.path}
+    row["step_us"] = median_s(one_step, args.repeats, warmup=3) * 1e6
+    out_fast = eng._out.to_numpy()
+    dispatches = recorded[-1]
+    row["checks_us"] = median_s(lambda: (eng._check_array("q", q, q.shape), eng._check_array("k", k, k.shape),
+                                         eng._check_array("v", v, v.shape), eng._check_kv_range("k", k),
+                                         eng._check_kv_range("v", v)), args.repeats) * 1e6
+
+    def graph_only():
+        replay(dispatches)
+        ti.sync()
+
+    row["graph_us"] = median_s(graph_only, args.repeats) * 1e6
+    row["sync_us"] = median_s(ti.sync, args.repeats) * 1e6
+    # each dispatch of the graph launched on its own, then synchronised: which kernel the time is in
+    row["dispatch_us"] = {f"{i}:{getattr(kernel, '__name__', 'kernel')}": median_s(
+        lambda: (kernel(*a), ti.sync()), args.repeats) * 1e6 for i, (kernel, a) in enumerate(dispatches)}
+    row["upload_q_taichi_us"] = median_s(lambda: (eng._q.from_numpy(q), ti.sync()), args.repeats) * 1e6
+    row["download_taichi_us"] = median_s(lambda: eng._out.to_numpy(), args.repeats) * 1e6
+    if eng._transfer.path == "cuMemcpy":
+        row["upload_q_direct_us"] = median_s(lambda: eng._transfer.upload(eng._q, q), args.repeats) * 1e6
+        row["download_direct_us"] = median_s(lambda: eng._transfer.download(eng._out, q.shape), args.repeats) * 1e6
+        eng._transfer._driver = None  # the same step through Taichi's copies
+        row["step_taichi_copies_us"] = median_s(one_step, args.repeats, warmup=2) * 1e6
+        row["same_output_both_paths"] = bool(np.array_equal(eng._out.to_numpy(), out_fast))
+    row["launches"] = eng.launches_last_step
+    emit(row, rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=("tiles", "step"))
+    ap.add_argument("--arch", default="cuda")
+    ap.add_argument("--config", default="glimmer.yaml")
+    ap.add_argument("--depths", default="2048,131072", help="tiles: comma-separated key counts")
+    ap.add_argument("--depth", type=int, default=2048, help="step: the depth")
+    ap.add_argument("--variants", default="", help='tiles: MUSER_GPU_TILE strings separated by ";" ("" = default)')
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    args.depths = [int(x) for x in args.depths.split(",") if x]
+    args.variants = args.variants.split(";")
+    rows: list = []
+    (tiles if args.mode == "tiles" else step)(args, rows)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
