@@ -235,16 +235,14 @@ class Engine:
         if a.dtype not in (np.float32, np.float64, np.float16):
             raise EngineError(f"{name}: dtype {a.dtype}, expected float32")
         a = np.ascontiguousarray(a, dtype=np.float32)
-        bad = ~np.isfinite(a)
-        if bad.any():
-            idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        if not np.isfinite(a).all():  # one pass on the common path; the bad index only when there is one
+            idx = tuple(int(i) for i in np.argwhere(~np.isfinite(a))[0])
             raise EngineError(f"{name}: non-finite value {a[idx]} at {self._where(name, idx)}")
         return a
 
     def _check_kv_range(self, name: str, a: np.ndarray):
-        big = np.abs(a) > 65504.0
-        if big.any():
-            idx = tuple(int(i) for i in np.argwhere(big)[0])
+        if a.size and max(float(a.max()), -float(a.min())) > 65504.0:
+            idx = tuple(int(i) for i in np.argwhere(np.abs(a) > 65504.0)[0])
             raise EngineError(f"{name}: value {a[idx]:.6g} at {self._where(name, idx)} overflows the f16 plane (|x| <= 65504)")
 
     # ---- public API ----------------------------------------------------------------------------

@@ -70,8 +70,17 @@ class Transfer:
             return 0
         return self._address(dev)
 
+    @staticmethod
+    def _check_shape(dev, shape) -> None:
+        # a raw copy of the wrong size would write past the allocation: refuse before copying
+        if tuple(shape) != tuple(dev.shape) or dev.dtype != ti.f32:
+            raise ValueError(f"transfer: host shape {tuple(shape)} against a device array {tuple(dev.shape)} of "
+                             f"{dev.dtype}; expected the same shape, float32")
+
     def upload(self, dev, a: np.ndarray) -> None:
-        """dev[...] = a, for a C-contiguous float32 array of dev's shape."""
+        """dev[...] = a (converted to C-contiguous float32), for an array of dev's shape."""
+        self._check_shape(dev, a.shape)
+        a = np.ascontiguousarray(a, dtype=np.float32)
         addr = self._direct(dev)
         if addr and self._driver.htod(addr, a.ctypes.data, a.nbytes) == 0:
             return
@@ -79,6 +88,7 @@ class Transfer:
 
     def download(self, dev, shape: tuple[int, ...]) -> np.ndarray:
         """A new float32 host array holding dev."""
+        self._check_shape(dev, shape)
         addr = self._direct(dev)
         if addr:
             out = np.empty(shape, np.float32)

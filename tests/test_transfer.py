@@ -39,3 +39,14 @@ def test_copies_are_ordered_with_kernels(arch):
         t.upload(src, a)
         double(src, dst)
         np.testing.assert_array_equal(t.download(dst, (n,)), 2 * a)
+
+
+def test_a_mismatched_shape_is_refused_before_any_copy(arch):
+    t = Transfer()
+    dev = ti.ndarray(ti.f32, (4, 8))
+    t.upload(dev, np.ones((4, 8), np.float32))
+    with pytest.raises(ValueError, match=r"host shape \(4, 9\) against a device array \(4, 8\)"):
+        t.upload(dev, np.zeros((4, 9), np.float32))
+    with pytest.raises(ValueError, match="host shape"):
+        t.download(dev, (8, 8))
+    np.testing.assert_array_equal(t.download(dev, (4, 8)), np.ones((4, 8), np.float32))  # untouched
