@@ -151,9 +151,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.explain:  # pure arithmetic on the geometry: no engine, no backend
         from muser_ti.bandwidth import explain
+        from muser_ti.kernels.producer_gpu import describe_plans
 
         try:
-            print("\n".join(explain(mt.load_config(args.config))))
+            cfg = mt.load_config(args.config)
+            print("\n".join(explain(cfg) + [""] + describe_plans(cfg.heads_per_kv, cfg.head_dim)))
         except mt.ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

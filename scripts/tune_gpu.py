@@ -165,6 +165,14 @@ def step(args, rows) -> None:
 
     row["graph_us"] = median_s(graph_only, args.repeats) * 1e6
     row["sync_us"] = median_s(ti.sync, args.repeats) * 1e6
+    if os.environ.get("MUSER_TI_KERNEL_PROFILER") == "1":  # device time of the graph's kernels (CUDA)
+        dev = []
+        for _ in range(args.repeats):
+            ti.sync()
+            ti.profiler.clear_kernel_profiler_info()
+            graph_only()
+            dev.append(ti.profiler.get_kernel_profiler_total_time())
+        row["graph_device_us"] = statistics.median(dev) * 1e6
     # each dispatch of the graph launched on its own, then synchronised: which kernel the time is in
     row["dispatch_us"] = {f"{i}:{getattr(kernel, '__name__', 'kernel')}": median_s(
         lambda: (kernel(*a), ti.sync()), args.repeats) * 1e6 for i, (kernel, a) in enumerate(dispatches)}

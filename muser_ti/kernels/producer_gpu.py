@@ -87,11 +87,12 @@ class TilePlan:
 
 
 def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB: int = MAX_SCORE_HEADS,
-                  VH: int = MAX_VALUE_HEADS, R: int = MAX_TILE_ROWS, LG: int = LOAD_GROUP) -> "TilePlan":
+                  VH: int = MAX_VALUE_HEADS, R: int = MAX_TILE_ROWS, LG: int = LOAD_GROUP,
+                  DC: int = K_CHUNK_DIMS) -> "TilePlan":
     """Choose the largest tile that fits ``budget`` bytes of shared memory; pure arithmetic, tested.
 
     T, HB, VH, R and LG cap the workgroup size, the score heads and value heads per thread, the tile
-    rows and the loads in flight (the defaults are the measured choice; MUSER_GPU_TILE overrides them,
+    rows and the loads in flight; DC sets the K chunk's dimensions (the defaults are the measured choice; MUSER_GPU_TILE overrides them,
     see tile_overrides)."""
     max_hb, max_vh, max_r = HB, VH, R
     if T < 32 or T & (T - 1) or T > 1024:
@@ -114,7 +115,8 @@ def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB
     HGV = G // VH
     RS = T // (HGV * DG)
     L2 = T // G
-    DC = K_CHUNK_DIMS
+    if DC < 1 or D % DC or DC > T:
+        raise ValueError(f"K chunk dims DC={DC}: expected a divisor of head_dim {D} of at most T={T}")
     for RB in range(max(1, max_r // RG), 0, -1):  # the largest tile (R = RG x RB rows) that fits
         R = RG * RB
         chunk = R * DC
@@ -131,7 +133,22 @@ def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB
                      f"(the queries alone take {4 * G * D})")
 
 
-TILE_KNOBS = ("T", "HB", "VH", "R", "LG")
+def describe_plans(G: int, D: int) -> list[str]:
+    """The GPU producer's tile on each backend, in words (scripts/decode.py --explain prints it)."""
+    lines = [f"GPU producer tile for {G} heads per KV head at head_dim {D} (kernels/producer_gpu.py):"]
+    for arch, budget in SHARED_BUDGET_BYTES.items():
+        try:
+            p = gpu_tile_plan(G, D, budget, **tile_overrides())
+        except ValueError as exc:
+            lines.append(f"  {arch}: {exc}")
+            continue
+        cap = f", at most {min(255, 65536 // (2 * p.T))} registers per thread" if arch == "cuda" else ""
+        lines.append(f"  {arch}: {p.T} threads{cap}; {p.R}-row tiles; scores {p.HB} heads x {p.RB} rows and values "
+                     f"{p.VH} heads x {p.VD} dims per thread; {p.shared_bytes / 1024:.1f} of {budget // 1024} KiB shared")
+    return lines
+
+
+TILE_KNOBS = ("T", "HB", "VH", "R", "LG", "DC")
 
 
 def tile_overrides(text: str | None = None) -> dict[str, int]:
@@ -399,4 +416,5 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
     return producer
 
 
-__all__ = ["GPU_PRODUCER_THREADS", "SHARED_BUDGET_BYTES", "TilePlan", "build_gpu_producer", "gpu_tile_plan", "tile_overrides"]
+__all__ = ["GPU_PRODUCER_THREADS", "SHARED_BUDGET_BYTES", "TilePlan", "build_gpu_producer", "describe_plans", "gpu_tile_plan",
+           "tile_overrides"]
