@@ -17,7 +17,6 @@ import numpy as np
 import taichi as ti
 
 from . import backend, ladder, llama_rung, plane_mirror
-from .transfer import Transfer
 from .config import NOPE, SWA, Geometry
 from .kernels.common import HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, on_gpu
 from .kernels.interleaved import build_interleaved
@@ -25,6 +24,7 @@ from .kernels.splitk import build_splitk, gpu_split_geometry, splitk_geometry
 from .kernels.stores import build_stores, build_unpack
 from .planes import PlaneError, PlaneSet, PlaneState, plane_shape, ring_rows_to_write, visible_span, window_of
 from .reference import attend
+from .transfer import Transfer
 
 GRAPHS = ("teacher", "serving")
 PINNED_MODES = ("auto", "on", "off")

@@ -24,12 +24,12 @@ Registers decide occupancy, and Taichi decides the register cap: it marks every 
 ``.maxntid T`` and ``.minnctapersm 2``, so ptxas may use 65,536 / (2 T) registers per thread (seen
 in the PTX, docs/PERF.md run 7).  With T = 128 the first tiled kernel took 255 registers and an SM
 held 2 workgroups of 4 warps; with T = 256 the cap is 128, an SM holds 2 workgroups of 8 warps, and
-the same layer ran 1.27x faster despite 588 bytes of spills per thread (ptxas -v).  Taichi's
-``gpu_max_reg`` never reaches the driver in 1.7.4, so T is the only register knob there is.
+one deep layer ran 1.24x faster (326 -> 262 us) with 292 bytes of spill stores per thread (ptxas -v).
+Taichi's ``gpu_max_reg`` never reaches the driver in 1.7.4, so T is the only register knob there is.
 
-Known deficit (H200, docs/PERF.md run 7): one NoPE layer at 131,072 keys takes ~260 us against torch
-SDPA's ~56 us; the kernel executes about 3 instructions per FMA (ncu, run 5) and torch uses tensor
-cores, which Taichi cannot.
+Known deficit (H200, docs/PERF.md run 7): one NoPE layer at 131,072 keys takes ~264 us against torch
+SDPA's ~56 us; the kernel issues 3.2 instructions per FMA (ncu) at 44 % of the issue slots, and torch
+uses tensor cores, which Taichi cannot.
 
 Block ownership is the chapter's (block b belongs to workgroup (b // nsg) % nwg): a workgroup walks
 its owned rows in increasing order, R at a time, with one online-softmax update per tile.
@@ -56,6 +56,7 @@ LOAD_GROUP = 16  # LG cap: loads in flight per thread before their stores; 8 and
 #                  slower than 16 with 256-row tiles (run 7); 128-row tiles move 8 per thread per chunk
 MAX_TILE_ROWS = 128  # R: 256-row tiles ran 64 / 101 / 257 us at 2,048 / 32,768 / 131,072 keys against 50 /
 #                      96 / 262 for 128 rows (run 7): short windows leave long tiles mostly empty
+
 
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
@@ -92,8 +93,8 @@ def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB
     """Choose the largest tile that fits ``budget`` bytes of shared memory; pure arithmetic, tested.
 
     T, HB, VH, R and LG cap the workgroup size, the score heads and value heads per thread, the tile
-    rows and the loads in flight; DC sets the K chunk's dimensions (the defaults are the measured choice; MUSER_GPU_TILE overrides them,
-    see tile_overrides)."""
+    rows and the loads in flight; DC sets the K chunk's dimensions.  The defaults are the measured
+    choice; MUSER_GPU_TILE overrides them (tile_overrides)."""
     max_hb, max_vh, max_r = HB, VH, R
     if T < 32 or T & (T - 1) or T > 1024:
         raise ValueError(f"workgroup threads T={T}: expected a power of two in [32, 1024]")
@@ -108,8 +109,8 @@ def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB
     RG = 1 << (T // HG).bit_length() - 1  # a power of two, so tiles of R = RG x RB rows split into chunks
     VD = _largest_divisor(D, MAX_VALUE_DIMS)
     DG = D // VD
-    # value heads per thread: the most up to 4 that the workgroup's threads cover; wide groups (more than
-    # 4 x T / DG heads) need more per thread, at the cost of registers
+    # value heads per thread: the most up to the VH cap that the workgroup's threads cover; wide groups
+    # (more than VH x T / DG heads) need more per thread, at the cost of registers
     fits = [d for d in range(1, G + 1) if G % d == 0 and (G // d) * DG <= T]
     VH = max([d for d in fits if d <= max_vh], default=min(fits))
     HGV = G // VH
@@ -144,7 +145,8 @@ def describe_plans(G: int, D: int) -> list[str]:
             continue
         cap = f", at most {min(255, 65536 // (2 * p.T))} registers per thread" if arch == "cuda" else ""
         lines.append(f"  {arch}: {p.T} threads{cap}; {p.R}-row tiles; scores {p.HB} heads x {p.RB} rows and values "
-                     f"{p.VH} heads x {p.VD} dims per thread; {p.shared_bytes / 1024:.1f} of {budget // 1024} KiB shared")
+                     f"{p.VH} heads x {p.VD} dims per thread; "
+                     f"{p.shared_bytes / 1024:.1f} of {budget // 1024} KiB shared")
     return lines
 
 
@@ -416,5 +418,5 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
     return producer
 
 
-__all__ = ["GPU_PRODUCER_THREADS", "SHARED_BUDGET_BYTES", "TilePlan", "build_gpu_producer", "describe_plans", "gpu_tile_plan",
-           "tile_overrides"]
+__all__ = ["GPU_PRODUCER_THREADS", "SHARED_BUDGET_BYTES", "TilePlan", "build_gpu_producer", "describe_plans",
+           "gpu_tile_plan", "tile_overrides"]
