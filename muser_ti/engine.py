@@ -137,12 +137,11 @@ class Engine:
         self._k_cur = ti.ndarray(ti.f32, (g.n_layers, KV, D))
         self._v_cur = ti.ndarray(ti.f32, (g.n_layers, KV, D))
         self._transfer = Transfer()  # per-token copies: the CUDA driver's memcpy where it can (transfer.py)
-        # Where copies go through Taichi (Vulkan, Metal) each one synchronises the device (~1-2 ms on the
-        # H200's Vulkan, docs/PERF.md run 7): q, k and v then travel as one packed array, unpacked on the device.
-        self._tokens = self._unpack = None
-        if on_gpu() and self._transfer.path == "taichi":
-            self._tokens = ti.ndarray(ti.f32, (g.n_layers, H + 2 * KV, D))
-            self._unpack = build_unpack(H, KV, D)
+        # Where host copies go through Taichi (Vulkan, Metal), from_numpy synchronises the device after its
+        # copy kernel (1.5-2.2 ms per upload on the H200's Vulkan, docs/PERF.md run 7).  There q, k and v go
+        # up packed, as the host-array argument of the kernel that unpacks them: Taichi stages a kernel's
+        # host arrays when it launches it and needs no synchronisation for one the kernel only reads.
+        self._unpack = build_unpack(H, KV, D) if on_gpu() and self._transfer.path == "taichi" else None
         self._groups: dict[tuple[int, ...], _Group] = {}
         self._graphs: dict[tuple, object] = {}  # GPU: compiled step graphs by dispatch structure
         self._recorded = None
@@ -328,9 +327,10 @@ class Engine:
             # interleaved producer): the mirror gets the same row, before anything reads it
             for kind, st in new_states.items():
                 self.mirror.store(kind, [st.physical(p)], k[None], v[None])
-        if self._tokens is not None:
-            self._transfer.upload(self._tokens, np.concatenate((q, k, v), axis=1))
-            self._launch(self._unpack, self._tokens, self._q, self._k_cur, self._v_cur)
+        if self._unpack is not None:
+            # launched now, ahead of the step's graph on the same queue (a graph binds device arrays only)
+            self.launches_last_step += 1
+            self._unpack(np.concatenate((q, k, v), axis=1), self._q, self._k_cur, self._v_cur)
             self._q_dev, k_dev, v_dev = self._q, self._k_cur, self._v_cur
         else:
             self._q_dev = self._upload(self._q, q)

@@ -94,8 +94,8 @@ def test_launches_per_token_do_not_grow_with_layers(arch):
         s.step(check=False)
         counts.append(s.eng.launches_last_step)
     # store + splitk producer + reduce, interleaved producer (fused store) + reduce_v2; where host copies go
-    # through Taichi (Vulkan, Metal) one more: the packed q/k/v upload's unpack (engine.py says why)
-    assert counts == [5 + (s.eng._tokens is not None)] * 2
+    # through Taichi (Vulkan, Metal) one more: the kernel that takes q/k/v up packed (engine.py says why)
+    assert counts == [5 + (s.eng._unpack is not None)] * 2
 
 
 @pytest.mark.parametrize("bad, fragment", [

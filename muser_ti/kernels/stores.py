@@ -59,8 +59,9 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
 
 
 def build_unpack(n_heads: int, n_kv: int, head_dim: int):
-    """One token's packed [layer, q heads | k heads | v heads, d] array into the q, k, v arrays the kernels
-    read: where host copies go through Taichi (Vulkan, Metal), a step uploads once instead of three times."""
+    """One token's packed [layer, q heads | k heads | v heads, d] array (a host array: Taichi stages it at
+    launch) into the q, k, v arrays the kernels read: where host copies go through Taichi (Vulkan, Metal),
+    a step's inputs then cost one launch and no device synchronisation, not three synchronising copies."""
     H, KV, D = n_heads, n_kv, head_dim
 
     def build():
