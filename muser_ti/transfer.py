@@ -5,11 +5,13 @@ of the numpy array and synchronise the device; a step made four of them (docs/PE
 that cost on the H200).  On CUDA this module copies with the driver's ``cuMemcpyHtoD`` / ``cuMemcpyDtoH``
 straight into the ndarray's own allocation: Taichi launches every kernel on the legacy default stream,
 on which these synchronous copies are ordered after the kernels before them and before the kernels
-after them.  Where the driver or the pointer is not available (Vulkan, Metal, the CPU), it falls back
-to Taichi's own copies, which are correct everywhere.
+after them.  Where the driver or the pointer is not available (Vulkan, Metal, the CPU), it copies with
+a Taichi kernel that takes the numpy array as an argument: Taichi stages such an array when it
+launches the kernel and, for one the kernel writes, waits and reads it back before the call returns,
+so no further synchronisation is needed (``from_numpy``/``to_numpy`` add one, an idle device wait that
+cost 0.6-1.1 ms on the H200's Vulkan, docs/PERF.md run 7).
 """
 
-from __future__ import annotations
 
 import ctypes
 import ctypes.util
@@ -18,6 +20,7 @@ import numpy as np
 import taichi as ti
 
 from . import backend
+from .kernels.common import cached
 
 
 class _CudaDriver:
@@ -44,6 +47,20 @@ class _CudaDriver:
         return self.current(ctypes.byref(ctx)) == 0 and bool(ctx.value)
 
 
+def _copy_kernel():
+    """dst[...] = src[...] for any shape, either side a numpy array or an ndarray (one kernel per backend)."""
+
+    def build():
+        @ti.kernel
+        def copy(src: ti.types.ndarray(), dst: ti.types.ndarray()):
+            for I in ti.grouped(src):
+                dst[I] = src[I]
+
+        return copy
+
+    return cached(("transfer_copy",), build)
+
+
 class Transfer:
     """Uploads into and downloads from fixed f32 ndarrays, by the fastest path the backend allows."""
 
@@ -54,7 +71,7 @@ class Transfer:
 
     @property
     def path(self) -> str:
-        """"cuMemcpy" where the driver copies directly, else "taichi" (from_numpy / to_numpy)."""
+        """"cuMemcpy" where the driver copies directly, else "taichi" (a Taichi copy kernel)."""
         return "cuMemcpy" if self._driver is not None else "taichi"
 
     def _address(self, dev) -> int:
@@ -84,17 +101,17 @@ class Transfer:
         addr = self._direct(dev)
         if addr and self._driver.htod(addr, a.ctypes.data, a.nbytes) == 0:
             return
-        dev.from_numpy(a)
+        _copy_kernel()(a, dev)
 
     def download(self, dev, shape: tuple[int, ...]) -> np.ndarray:
         """A new float32 host array holding dev."""
         self._check_shape(dev, shape)
+        out = np.empty(shape, np.float32)
         addr = self._direct(dev)
-        if addr:
-            out = np.empty(shape, np.float32)
-            if self._driver.dtoh(out.ctypes.data, addr, out.nbytes) == 0:
-                return out
-        return dev.to_numpy()
+        if addr and self._driver.dtoh(out.ctypes.data, addr, out.nbytes) == 0:
+            return out
+        _copy_kernel()(dev, out)  # returns once the host array holds the result
+        return out
 
 
 __all__ = ["Transfer"]
