@@ -67,25 +67,18 @@ class Transfer:
     def __init__(self):
         self.arch = backend.active()
         self._driver = _CudaDriver.load() if self.arch == "cuda" else None
-        self._ptr: dict[int, int] = {}  # id(ndarray) -> device address (the arrays live as long as the engine)
 
     @property
     def path(self) -> str:
         """"cuMemcpy" where the driver copies directly, else "taichi" (a Taichi copy kernel)."""
         return "cuMemcpy" if self._driver is not None else "taichi"
 
-    def _address(self, dev) -> int:
-        addr = self._ptr.get(id(dev))
-        if addr is None:
-            addr = int(ti.lang.impl.get_runtime().prog.get_ndarray_data_ptr_as_int(dev.arr))
-            self._ptr[id(dev)] = addr
-        return addr
-
     def _direct(self, dev) -> int:
-        """The device address to copy to or from, or 0 to fall back (no context current on this thread)."""
+        """The device address to copy to or from, or 0 to fall back (no context current on this thread).
+        Asked of Taichi on every copy: a cache keyed by the array object could outlive the array."""
         if self._driver is None or not self._driver.has_context():
             return 0
-        return self._address(dev)
+        return int(ti.lang.impl.get_runtime().prog.get_ndarray_data_ptr_as_int(dev.arr))
 
     @staticmethod
     def _check_shape(dev, shape) -> None:

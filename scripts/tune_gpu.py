@@ -32,23 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import muser_ti as mt  # noqa: E402
-from bench import layer_geometry, prefill  # noqa: E402
+from bench import layer_geometry, median_time as median_s, prefill  # noqa: E402
 from muser_ti.kernels.common import HEAD_MAJOR  # noqa: E402
 from muser_ti.kernels.producer import addressing  # noqa: E402
 from muser_ti.kernels.producer_gpu import SHARED_BUDGET_BYTES, build_gpu_producer, gpu_tile_plan, tile_overrides  # noqa: E402
 from muser_ti.reference import relative_error  # noqa: E402
 from muser_ti.tolerances import F32_ROUTE_RTOL  # noqa: E402
-
-
-def median_s(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def emit(row: dict, rows: list) -> None:
