@@ -6,9 +6,11 @@
 #   tests  the parametrised suite on CUDA and Vulkan
 #   steps  the 52-layer step on CUDA and Vulkan
 #   final  the suite on both backends, CUDA layers, steps on both backends
+#   figures  CUDA layers, steps on both backends, Vulkan tile variants by wall time (TUNE_VARIANTS)
 #   kernel after a producer change: CUDA layers at two workgroup targets, and ncu on one deep layer
 #   tune   tile variants of the GPU producer in one process, with ptxas -v on each (scripts/tune_gpu.py)
 #   ncu    ncu's counters on one NoPE layer at 131,072 keys
+#   stalls ncu's stall reasons for that layer's producer, and its SASS lines by stall samples
 #   hoststep  where a 52-layer step's wall time goes on CUDA and Vulkan; Vulkan tile variants by wall time
 # Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama) and .gl (libvulkan1...).
 set -uo pipefail
@@ -25,8 +27,9 @@ bench() {  # name, extra env..., args...
 import json, sys
 for l in sys.stdin:
     r = json.loads(l)
-    print("  %-28s %7d nwg=%-5s ours %8.3f ms  torch %7.4f ms  %6.0f GB/s  floor %.4f ms" % (r["what"][:28], r["depth"],
-          r.get("workgroups", "-"), r["ours_ms"], r.get("torch_ms", 0), r["ours_gb_s"], r.get("byte_floor_ms", 0)))'
+    print("  %-28s %7d nwg=%-5s ours %8.3f ms  torch %7.4f ms  %6.0f GB/s  floor %.4f ms%s" % (r["what"][:28], r["depth"],
+          r.get("workgroups", "-"), r["ours_ms"], r.get("torch_ms", 0), r["ours_gb_s"], r.get("byte_floor_ms", 0),
+          "  device I/O %.3f ms" % r["device_io_ms"] if "device_io_ms" in r else ""))'
 }
 if [ "$what" = bench ]; then
   for arch in cuda vulkan; do
@@ -75,6 +78,17 @@ if [ "$what" = final ]; then  # the suite on both backends, then the steps on bo
   bench vulkan-steps timeout 120 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
     --repeats 15 --json "$OUT/vulkan-steps.json"
 fi
+if [ "$what" = figures ]; then  # PERF.md's rows after a kernel change: CUDA layers, steps on both, Vulkan tiles
+  bench cuda-layers MUSER_TI_KERNEL_PROFILER=1 timeout 100 python3 scripts/bench.py --arch cuda --mode layers \
+    --layer-depths 2048,8192,32768,131072 --routes interleaved,splitk --repeats 15 --json "$OUT/cuda-layers.json"
+  bench cuda-steps timeout 120 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,32768,131072 \
+    --repeats 15 --json "$OUT/cuda-steps.json"
+  bench vulkan-steps timeout 150 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
+    --repeats 15 --json "$OUT/vulkan-steps.json"
+  timeout 120 python3 scripts/tune_gpu.py tiles --arch vulkan --depths 2048,131072 --variants "${TUNE_VARIANTS:-;T=256,PF=0}" \
+    --json "$OUT/tune-vulkan.json" > "$OUT/tune-vulkan.log" 2>&1
+  echo "== tune vulkan rc=$?"; grep -E '^\{' "$OUT/tune-vulkan.log" | cut -c1-300
+fi
 if [ "$what" = steps ]; then  # the 52-layer step on both backends (after a split-geometry change)
   bench cuda-steps timeout 90 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,32768,131072 \
     --repeats 15 --json "$OUT/cuda-steps.json"
@@ -94,7 +108,7 @@ ptx_report() {  # registers and spills of every producer module Taichi printed (
   done
 }
 if [ "$what" = tune ]; then  # tile variants of the GPU producer in one process (scripts/tune_gpu.py), with ptxas -v
-  variants=${TUNE_VARIANTS:-";T=256,HB=4;T=256,HB=4,VH=2;T=128,HB=4;T=128,HB=4,VH=2;T=256"}
+  variants=${TUNE_VARIANTS:-";PF=0;T=256;T=256,PF=0;HB=8;DC=32"}
   MUSER_TI_PRINT_ASM=1 MUSER_TI_KERNEL_PROFILER=1 timeout 400 python3 scripts/tune_gpu.py tiles --arch cuda \
     --depths ${TUNE_DEPTHS:-2048,32768,131072} --variants "$variants" --json "$OUT/tune-cuda.json" > "$OUT/tune-cuda.log" 2>&1
   echo "== tune cuda rc=$?"; grep -E '^\{' "$OUT/tune-cuda.log" | python3 -c '
@@ -116,4 +130,15 @@ if [ "$what" = hoststep ]; then  # where a step's wall time goes, CUDA and Vulka
 fi
 if [ "$what" = ncu ]; then  # ncu's counters on one deep NoPE layer's producer
   ncu_layer producer /tmp/site:$PWD
+fi
+if [ "$what" = stalls ]; then  # why warps wait: ncu's stall reasons and the SASS lines they sample most
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  timeout 200 "$ncu" --clock-control none -k regex:producer --launch-skip 3 --launch-count 1 --import-source no \
+    --section WarpStateStats --section SourceCounters --section LaunchStats -f -o "$OUT/stalls" python3 scripts/bench.py \
+    --arch cuda --mode layers --layer-depths 131072 --routes interleaved --repeats 2 > "$OUT/stalls.log" 2>&1
+  echo "== ncu stalls rc=$?"
+  "$ncu" -i "$OUT/stalls.ncu-rep" --page raw --csv > "$OUT/stalls-raw.csv" 2>&1
+  "$ncu" -i "$OUT/stalls.ncu-rep" --page source --print-source sass --csv > "$OUT/stalls-sass.csv" 2>&1
+  rm -f "$OUT/stalls.ncu-rep"
+  python3 scripts/stall_report.py "$OUT/stalls-raw.csv" "$OUT/stalls-sass.csv" | tee "$OUT/stalls.txt"
 fi

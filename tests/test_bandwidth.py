@@ -97,5 +97,6 @@ def test_decode_explain_prints_the_table():
     assert out.returncode == 0, out.stderr
     assert "1,024 B" in out.stdout and "10.90 %" in out.stdout and "none within max_context" in out.stdout
     # the GPU producer's tile per backend, from the same arithmetic tests/test_gpu_plan.py pins
-    assert "cuda: 256 threads, at most 128 registers per thread; 128-row tiles" in out.stdout
-    assert "metal: 256 threads; 128-row tiles" in out.stdout and "30.2 of 32 KiB shared" in out.stdout
+    assert "cuda: 128 threads, at most 255 registers per thread; 128-row tiles" in out.stdout
+    assert "metal: 128 threads; 128-row tiles" in out.stdout and "27.7 of 32 KiB shared" in out.stdout
+    assert "chunks pipelined (f16 in flight)" in out.stdout

@@ -3,33 +3,39 @@
 What bounds decode attention on a GPU without tensor cores (Taichi has none) is not DRAM but the
 instruction issue around the FMAs, and the latency that issue cannot hide: every FMA needs its two
 operands in registers, and the only way to share a K/V element among the G sibling query heads is
-shared memory, one scalar load per operand (Taichi 1.7.4 emits no vector shared loads; warp shuffles
-exist on CUDA only).  The kernel is shaped so that FMAs per shared load stay high *and* enough warps
-are resident to hide the global and shared loads:
+shared memory (warp shuffles exist on CUDA only).  The kernel is shaped so that FMAs per shared load
+stay high and the global loads' latency is hidden behind FMAs:
 
 * scores: each thread owns HB heads x RB rows of the tile, so per dimension it loads HB query and
-  RB key values and does HB*RB FMAs (4 x 2 for Glimmer: 6 loads per 8 FMAs);
+  RB key values and does HB*RB FMAs (4 x 4 for Glimmer: 8 loads per 16 FMAs; ptxas merges the query
+  loads of 4 consecutive dimensions into one 128-bit load);
 * values: each thread owns VH heads x VD dims and a slice of the tile's rows (4 x 8: 12 loads per
   32 FMAs); the RS row slices are summed once per workgroup at the end;
 * a tile is R rows (128 for Glimmer) so that the softmax bookkeeping (three barriers, two tiny
   reductions) is paid once per 128 rows, not per 32; the running sum of weights stays per thread and
   is reduced once per workgroup;
-* K is staged in chunks of DC dimensions ([R][DC+1] f32, padded so the RB rows a warp reads sit in
-  different banks) and V in chunks of VR rows ([VR][D+1]), both through one buffer: 30.2 KiB of
+* K is staged in chunks of DC dimensions ([R][DC+1] f32, padded so the rows a warp reads sit in
+  different banks) and V in chunks of VR rows ([VR][D+1]), both through one buffer: 28.3 KiB of
   shared memory for Glimmer, inside Metal's 32 KiB, so every backend runs the same tile;
-* LG loads of a chunk are issued before any of their stores (a prefetch of the whole next chunk into
-  registers measured slower: it spilled).
+* the chunks are software-pipelined (PF): a thread's share of chunk c+1 is loaded, kept f16, while
+  chunk c's FMAs run, and converted to f32 only when it is stored.  ncu showed why (run 8): without
+  it, a quarter of all stall samples sat on the f16 -> f32 conversion right after each chunk's loads,
+  waiting for global memory with nothing else to do before the barrier.  Converting at load time
+  (the first pipelined kernel) put that wait back and gained nothing.
 
 Registers decide occupancy, and Taichi decides the register cap: it marks every CUDA kernel
 ``.maxntid T`` and ``.minnctapersm 2``, so ptxas may use 65,536 / (2 T) registers per thread (seen
-in the PTX, docs/PERF.md run 7).  With T = 128 the first tiled kernel took 255 registers and an SM
-held 2 workgroups of 4 warps; with T = 256 the cap is 128, an SM holds 2 workgroups of 8 warps, and
-one deep layer ran 1.24x faster (326 -> 262 us) with 292 bytes of spill stores per thread (ptxas -v).
-Taichi's ``gpu_max_reg`` never reaches the driver in 1.7.4, so T is the only register knob there is.
+in the PTX, docs/PERF.md run 7); ``gpu_max_reg`` never reaches the driver in 1.7.4, so T is the only
+register knob there is.  At T = 256 the cap is 128 and the kernel spills (136-184 bytes, ptxas -v);
+at T = 128 it takes 253 registers with no spills, an SM holds 2 workgroups of 4 warps, and with the
+pipelined chunks that is the faster shape: the chunk loads no longer need other warps to hide them.
 
-Known deficit (H200, docs/PERF.md run 7): one NoPE layer at 131,072 keys takes ~264 us against torch
-SDPA's ~56 us; the kernel issues 3.2 instructions per FMA (ncu) at 44 % of the issue slots, and torch
-uses tensor cores, which Taichi cannot.
+Known deficit (H200, docs/PERF.md run 8): one NoPE layer at 131,072 keys takes ~195 us against torch
+SDPA's ~56 us.  ncu: 59 % of issue slots busy, 2.9 instructions per FMA, and a third of all
+instructions are integer address arithmetic: the PTX addresses each staged K value with its own
+``add.s32; mul.wide.s32; add.s64`` (a 32-bit index sign-extended per access), so a constant offset
+costs an add and a shift instead of riding in the load; the query loads, addressed off one pointer,
+do not pay it and even merge into 128-bit loads.  torch uses tensor cores, which Taichi cannot.
 
 Block ownership is the chapter's (block b belongs to workgroup (b // nsg) % nwg): a workgroup walks
 its owned rows in increasing order, R at a time, with one online-softmax update per tile.
@@ -43,19 +49,22 @@ import taichi as ti
 from .common import BLOCK_ROWS, RUNNING_MAX_INIT, VISIT_OWNER, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d
 
 SHARED_BUDGET_BYTES = {"cuda": 48 * 1024, "vulkan": 48 * 1024, "metal": 32 * 1024}  # without opt-in
-GPU_PRODUCER_THREADS = 256  # T: 256 caps ptxas at 128 registers (see above).  Measured on the H200, one NoPE
-#                            layer at 131,072 / 32,768 / 2,048 keys: 326 / 113 / 67 us at T = 128 (8 x 4
-#                            score tiles, 255 registers), 262 / 96 / 50 us at T = 256 (docs/PERF.md run 7)
+GPU_PRODUCER_THREADS = 128  # T: 128 lets ptxas use 255 registers (see above).  One NoPE layer on the H200 at
+#                            131,072 / 32,768 / 2,048 keys, device time: 194-196 / 79-81 / 47-58 us at T = 128
+#                            with pipelined chunks, 220 / 86 / 49 at T = 256 with them, 241 / 89 / 49 at T = 256
+#                            without (run 8); 64 threads ran 371 us at 131,072 (docs/PERF.md)
 K_CHUNK_DIMS = 16  # DC: dimensions of K staged per chunk ([R][DC+1] f32 = 8.5 KiB at R = 128)
-MAX_SCORE_HEADS = 4  # HB: 8 heads x 4 rows at T = 256 do not fit 48 KiB with 256-row tiles; 8 x 1 at 128 rows
-#                      ran 275 us at 131,072 keys, against 262 for 4 x 2 (run 7)
+MAX_SCORE_HEADS = 4  # HB: 8 x 2 tiles at T = 128 ran within 1 % of 4 x 4 (run 8); 8 x 1 at T = 256 ran 275 us
+#                      at 131,072 keys, against 262 for 4 x 2 (run 7)
 MAX_VALUE_DIMS = 8  # VD: value dims per thread
 MAX_VALUE_HEADS = 4  # VH: 4 x 8 = 32 accumulators.  2 x 8 ran 307 us against 257 at T = 256 (run 7); 8 x 8
 #                      with a prefetched chunk spilled twice as much at T = 128 (ncu, run 5)
-LOAD_GROUP = 16  # LG cap: loads in flight per thread before their stores; 8 and 4 ran 10 % and 23 %
-#                  slower than 16 with 256-row tiles (run 7); 128-row tiles move 8 per thread per chunk
-MAX_TILE_ROWS = 128  # R: 256-row tiles ran 64 / 101 / 257 us at 2,048 / 32,768 / 131,072 keys against 50 /
-#                      96 / 262 for 128 rows (run 7): short windows leave long tiles mostly empty
+LOAD_GROUP = 16  # LG cap, unpipelined chunks only: loads in flight per thread before their stores; 8 and 4
+#                  ran 10 % and 23 % slower than 16 with 256-row tiles (run 7)
+PREFETCH = 1  # PF: chunk c+1 loads (kept f16) while chunk c's FMAs run; see above.  K chunks of 8 / 32 dims
+#               with it ran 223 / 204 us at 131,072 keys against 196 for 16 (run 8)
+MAX_TILE_ROWS = 128  # R: 256-row tiles ran 202 us at 131,072 keys against 196 (run 8, T = 128), and 64-row
+#                      tiles 254 against 220 (T = 256); short windows leave long tiles mostly empty (run 7)
 
 
 def _largest_divisor(n: int, at_most: int) -> int:
@@ -85,16 +94,17 @@ class TilePlan:
     BUF: int  # floats in the K/V chunk buffer
     LG: int  # chunk loads each thread issues before their stores (divides the chunk's loads per thread)
     shared_bytes: int
+    PF: int = PREFETCH  # 1: each chunk's loads are issued a chunk ahead (software pipelining)
 
 
 def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB: int = MAX_SCORE_HEADS,
                   VH: int = MAX_VALUE_HEADS, R: int = MAX_TILE_ROWS, LG: int = LOAD_GROUP,
-                  DC: int = K_CHUNK_DIMS) -> "TilePlan":
+                  DC: int = K_CHUNK_DIMS, PF: int = PREFETCH) -> "TilePlan":
     """Choose the largest tile that fits ``budget`` bytes of shared memory; pure arithmetic, tested.
 
     T, HB, VH, R and LG cap the workgroup size, the score heads and value heads per thread, the tile
-    rows and the loads in flight; DC sets the K chunk's dimensions.  The defaults are the measured
-    choice; MUSER_GPU_TILE overrides them (tile_overrides)."""
+    rows and the loads in flight; DC sets the K chunk's dimensions; PF = 1 pipelines the chunks.  The
+    defaults are the measured choice; MUSER_GPU_TILE overrides them (tile_overrides)."""
     max_hb, max_vh, max_r = HB, VH, R
     if T < 32 or T & (T - 1) or T > 1024:
         raise ValueError(f"workgroup threads T={T}: expected a power of two in [32, 1024]")
@@ -116,6 +126,8 @@ def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB
     HGV = G // VH
     RS = T // (HGV * DG)
     L2 = T // G
+    if PF not in (0, 1):
+        raise ValueError(f"prefetch PF={PF}: expected 0 or 1")
     if DC < 1 or D % DC or DC > T:
         raise ValueError(f"K chunk dims DC={DC}: expected a divisor of head_dim {D} of at most T={T}")
     for RB in range(max(1, max_r // RG), 0, -1):  # the largest tile (R = RG x RB rows) that fits
@@ -129,7 +141,7 @@ def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB
         shared = 4 * (floats + R)
         if shared <= budget:
             lg = _largest_divisor(chunk // T, LG)
-            return TilePlan(G, D, T, HB, HG, RG, RB, R, DC, VR, VH, VD, DG, HGV, RS, L2, buf, lg, shared)
+            return TilePlan(G, D, T, HB, HG, RG, RB, R, DC, VR, VH, VD, DG, HGV, RS, L2, buf, lg, shared, PF)
     raise ValueError(f"no GPU tile for {G} heads per KV head at head_dim {D} fits {budget} bytes of shared memory "
                      f"(the queries alone take {4 * G * D})")
 
@@ -146,11 +158,13 @@ def describe_plans(G: int, D: int) -> list[str]:
         cap = f", at most {min(255, 65536 // (2 * p.T))} registers per thread" if arch == "cuda" else ""
         lines.append(f"  {arch}: {p.T} threads{cap}; {p.R}-row tiles; scores {p.HB} heads x {p.RB} rows and values "
                      f"{p.VH} heads x {p.VD} dims per thread; "
-                     f"{p.shared_bytes / 1024:.1f} of {budget // 1024} KiB shared")
+                     f"{p.shared_bytes / 1024:.1f} of {budget // 1024} KiB shared; "
+                     f"{'chunks pipelined (f16 in flight)' if p.PF else 'chunks not pipelined'}")
     return lines
 
 
-TILE_KNOBS = ("T", "HB", "VH", "R", "LG", "DC")
+TILE_KNOBS = ("T", "HB", "VH", "R", "LG", "DC", "PF")
+SWITCH_KNOBS = ("PF",)  # 0 or 1
 
 
 def tile_overrides(text: str | None = None) -> dict[str, int]:
@@ -159,8 +173,9 @@ def tile_overrides(text: str | None = None) -> dict[str, int]:
     out = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, _, value = part.partition("=")
-        if key not in TILE_KNOBS or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"MUSER_GPU_TILE: {part!r}; expected KNOB=positive integer, knobs {list(TILE_KNOBS)}")
+        if key not in TILE_KNOBS or not value.isdigit() or int(value) < (key not in SWITCH_KNOBS):
+            raise ValueError(f"MUSER_GPU_TILE: {part!r}; expected KNOB=positive integer (0 or 1 for a switch, "
+                             f"{list(SWITCH_KNOBS)}), knobs {list(TILE_KNOBS)}")
         out[key] = int(value)
     return out
 
@@ -176,7 +191,7 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
     LOADS = CHUNK // T  # elements each thread moves per chunk
     NKC = D // DC  # K chunks per tile (V chunks: as many as the tile has rows for, see n_vc)
     SCORE_THREADS, VALUE_THREADS = p.HG * RG, RS * HGV * DG
-    LG = p.LG
+    LG, PF = p.LG, p.PF
 
     @ti.func
     def tile_rows(o_first, count, wg, nwg, run, logical_start, capacity, origin_logical, origin_physical,
@@ -192,25 +207,53 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
                     ti.atomic_add(visits[g, rel // C], 1 + VISIT_OWNER * wg)
             i += T
 
+    # Element k of a thread's share of a chunk is e = tid + k*T.  Where T is a multiple of the chunk's row
+    # length (DC for K, D for V) its row is tid // len + k * (T // len) and its column tid % len: one base
+    # per thread plus a constant per k, instead of a divide and a modulo per element.
+    K_SPLIT, V_SPLIT = T % DC == 0, T % D == 0
+
+    @ti.func
+    def chunk_cell(e0, k: ti.template(), width: ti.template(), split: ti.template()):
+        """(row, column) of element tid + k*T of a chunk whose rows are ``width`` wide (e0 = tid)."""
+        row, col = 0, 0
+        if ti.static(split):
+            row, col = e0 // width + k * (T // width), e0 % width
+        else:
+            row, col = (e0 + k * T) // width, (e0 + k * T) % width
+        return row, col
+
+    @ti.func
+    def load_chunk(plane: ti.template(), rows_sh: ti.template(), slot, kvh, is_k: ti.template(), c, tid,
+                   first: ti.template(), n: ti.template()):
+        """Elements first .. first+n-1 of this thread's share of chunk c (K: dims c*DC.., V: rows c*VR..),
+        kept f16: converted only when stored, so nothing waits for the loads before then."""
+        stage = ti.Vector([0.0] * n, dt=ti.f16)
+        for k in ti.static(range(n)):
+            if ti.static(is_k):
+                r, col = chunk_cell(tid, first + k, DC, K_SPLIT)
+                stage[k] = at.plane_at(plane, slot, kvh, rows_sh[r], c * DC + col)
+            else:
+                r, col = chunk_cell(tid, first + k, D, V_SPLIT)
+                stage[k] = at.plane_at(plane, slot, kvh, rows_sh[c * VR + r], col)
+        return stage
+
+    @ti.func
+    def store_chunk(buf: ti.template(), stage: ti.template(), is_k: ti.template(), tid, first: ti.template(),
+                    n: ti.template()):
+        for k in ti.static(range(n)):
+            if ti.static(is_k):
+                r, col = chunk_cell(tid, first + k, DC, K_SPLIT)
+                buf[r * KS + col] = ti.cast(stage[k], ti.f32)
+            else:
+                r, col = chunk_cell(tid, first + k, D, V_SPLIT)
+                buf[r * VS + col] = ti.cast(stage[k], ti.f32)
+
     @ti.func
     def move_chunk(plane: ti.template(), buf: ti.template(), rows_sh: ti.template(), slot, kvh, is_k: ti.template(),
                    c, tid):
-        """Chunk c (K: dims c*DC.., V: rows c*VR..) from the plane to shared f32, LOAD_GROUP loads in
-        flight per thread before their stores."""
+        """Chunk c from the plane to shared f32, LOAD_GROUP loads in flight per thread before their stores."""
         for grp in ti.static(range(LOADS // LG)):
-            stage = ti.Vector([0.0] * LG)
-            for k in ti.static(range(LG)):
-                e = tid + (grp * LG + k) * T
-                if ti.static(is_k):
-                    stage[k] = ti.cast(at.plane_at(plane, slot, kvh, rows_sh[e // DC], c * DC + e % DC), ti.f32)
-                else:
-                    stage[k] = ti.cast(at.plane_at(plane, slot, kvh, rows_sh[c * VR + e // D], e % D), ti.f32)
-            for k in ti.static(range(LG)):
-                e = tid + (grp * LG + k) * T
-                if ti.static(is_k):
-                    buf[(e // DC) * KS + e % DC] = stage[k]
-                else:
-                    buf[(e // D) * VS + e % D] = stage[k]
+            store_chunk(buf, load_chunk(plane, rows_sh, slot, kvh, is_k, c, tid, grp * LG, LG), is_k, tid, grp * LG, LG)
 
     @ti.func
     def patch_current(buf: ti.template(), cur: ti.template(), layer, kvh, is_k: ti.template(), c, r_cur, count, tid):
@@ -300,20 +343,32 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
                 ti.simt.block.sync()
 
                 sc = ti.Matrix.zero(ti.f32, HB, RB)
+                ahead = ti.Vector([0.0] * LOADS, dt=ti.f16)  # PF: this thread's share of the next chunk, in flight
+                if ti.static(PF):
+                    ahead = load_chunk(k_plane, rows_sh, slot, kvh, True, 0, tid, 0, LOADS)
                 for c in range(NKC):
                     ti.simt.block.sync()  # every thread is done reading the previous chunk
-                    move_chunk(k_plane, buf, rows_sh, slot, kvh, True, c, tid)
+                    if ti.static(PF):
+                        store_chunk(buf, ahead, True, tid, 0, LOADS)
+                    else:
+                        move_chunk(k_plane, buf, rows_sh, slot, kvh, True, c, tid)
                     patch_current(buf, k_cur, layer, kvh, True, c, r_cur, count, tid)
                     ti.simt.block.sync()
+                    if ti.static(PF):
+                        if c + 1 < NKC:
+                            ahead = load_chunk(k_plane, rows_sh, slot, kvh, True, c + 1, tid, 0, LOADS)
                     if tid < SCORE_THREADS:
                         for dd in range(DC):  # not unrolled: 16 unrolled steps hoisted ~200 shared loads
-                            # into registers (twice the local-memory spills, docs/PERF.md run 5)
+                            # into registers (twice the local-memory spills, docs/PERF.md run 5); unrolled by 2
+                            # or 4 it ran within 4 % of this either way (run 8)
                             kd = ti.Vector([buf[(sr + j * RG) * KS + dd] for j in ti.static(range(RB))])
                             for i in ti.static(range(HB)):
                                 qd = q_sh[(h0 + i) * D + c * DC + dd]
                                 for j in ti.static(range(RB)):
                                     sc[i, j] = sc[i, j] + qd * kd[j]
 
+                if ti.static(PF):  # V's first chunk is in flight while the softmax bookkeeping runs
+                    ahead = load_chunk(v_plane, rows_sh, slot, kvh, False, 0, tid, 0, LOADS)
                 # the tile's max per head: thread -> part[h][row group] -> part2[h][L2] -> state
                 if tid < SCORE_THREADS:
                     for i in ti.static(range(HB)):
@@ -363,12 +418,18 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
                 n_vc = (count + VR - 1) // VR  # V chunks past the tile's last row would only add zeros
                 for c in range(n_vc):
                     ti.simt.block.sync()
-                    move_chunk(v_plane, buf, rows_sh, slot, kvh, False, c, tid)
+                    if ti.static(PF):
+                        store_chunk(buf, ahead, False, tid, 0, LOADS)
+                    else:
+                        move_chunk(v_plane, buf, rows_sh, slot, kvh, False, c, tid)
                     patch_current(buf, v_cur, layer, kvh, False, c, r_cur, count, tid)
                     ti.simt.block.sync()
+                    if ti.static(PF):
+                        if c + 1 < n_vc:
+                            ahead = load_chunk(v_plane, rows_sh, slot, kvh, False, c + 1, tid, 0, LOADS)
                     if tid < VALUE_THREADS:
                         lr = rs
-                        while lr < VR:
+                        while lr < VR:  # unrolled (VR // RS rows) it ran 2-4 % slower (run 8)
                             vv = ti.Vector([buf[lr * VS + dg + DG * j] for j in ti.static(range(VD))])
                             for i in ti.static(range(VH)):
                                 w = w_sh[(vh0 + i) * WS + c * VR + lr]
