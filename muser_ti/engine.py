@@ -21,7 +21,7 @@ from .config import NOPE, SWA, Geometry
 from .kernels.common import HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, on_gpu
 from .kernels.interleaved import build_interleaved
 from .kernels.splitk import build_splitk, gpu_split_geometry, splitk_geometry
-from .kernels.stores import build_stores, build_unpack
+from .kernels.stores import TOKEN_FLAGS, build_stores, build_token_scan, build_unpack
 from .planes import PlaneError, PlaneSet, PlaneState, plane_shape, ring_rows_to_write, visible_span, window_of
 from .reference import attend
 from .transfer import Transfer
@@ -133,6 +133,11 @@ class Engine:
         self._partials: dict[int, object] = {}  # group size -> [n_group, H, workgroups, 2 + D] scratch
         self._no_visits = ti.ndarray(ti.i32, (1, 1))
         self._out = ti.ndarray(ti.f32, (g.n_layers, H, D))
+        self._scan = build_token_scan(H, KV, D)
+        self._token_flags = ti.ndarray(ti.i32, (TOKEN_FLAGS,))
+        self._token_flags.fill(0)
+        self._scans = 0  # the stamp of the last scan (build_token_scan says why)
+        self._external: set[int] = set()
         self._q = ti.ndarray(ti.f32, (g.n_layers, H, D))
         self._k_cur = ti.ndarray(ti.f32, (g.n_layers, KV, D))
         self._v_cur = ti.ndarray(ti.f32, (g.n_layers, KV, D))
@@ -291,12 +296,62 @@ class Engine:
     def step(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """Attend one token: q [n_layers, n_heads, head_dim], k/v [n_layers, n_kv_heads, head_dim] -> like q."""
         self._check_alive()
+        q, k, v = self._check_token(q, k, v)
+        p, new_states, routes = self._plan_step()
+        return self._commit_step(p, new_states, routes, q, k, v)
+
+    def step_device(self, q, k, v, out):
+        """Attend one token with the activations on the device: q, k, v and out are Taichi float32
+        ndarrays of step()'s shapes; the output is written into ``out``, which is returned.
+
+        Nothing crosses to the host but a few flags: one kernel scans q, k and v for non-finite values
+        and for k/v outside the f16 planes' range, and its flags are read before anything is written, so
+        bad input is refused as step() refuses it (the same messages) with the cache unchanged.  Steps
+        that need the activations on the host (a pinned llama.cpp route, mirror planes) copy them there.
+        """
+        self._check_alive()
+        g = self.cfg
+        for name, a, shape in (("q", q, (g.n_layers, g.n_heads, g.head_dim)),
+                               ("k", k, (g.n_layers, g.n_kv_heads, g.head_dim)),
+                               ("v", v, (g.n_layers, g.n_kv_heads, g.head_dim)),
+                               ("out", out, (g.n_layers, g.n_heads, g.head_dim))):
+            if not isinstance(a, ti.Ndarray) or tuple(a.shape) != shape or a.dtype != ti.f32:
+                got = (f"{a.dtype} ndarray of shape {tuple(a.shape)}" if isinstance(a, ti.Ndarray)
+                       else type(a).__name__)
+                raise EngineError(f"step_device {name}: expected a Taichi float32 ndarray of shape {shape}, got {got}")
+        self._scan_device_token(q, k, v)
+        p, new_states, routes = self._plan_step()
+        if self.mirror is not None or any(r in ladder.PINNED_ROUTES for r in routes):
+            host = self._commit_step(p, new_states, routes, q.to_numpy(), k.to_numpy(), v.to_numpy())
+            self._transfer.upload(out, host)
+        else:
+            self._commit_step(p, new_states, routes, None, None, None, device=(q, k, v, out))
+        self.launches_last_step += 1  # the scan
+        return out
+
+    def _check_token(self, q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         g = self.cfg
         q = self._check_array("q", q, (g.n_layers, g.n_heads, g.head_dim))
         k = self._check_array("k", k, (g.n_layers, g.n_kv_heads, g.head_dim))
         v = self._check_array("v", v, (g.n_layers, g.n_kv_heads, g.head_dim))
         self._check_kv_range("k", k)
         self._check_kv_range("v", v)
+        return q, k, v
+
+    def _scan_device_token(self, q, k, v) -> None:
+        """Refuse a device token step() would refuse: flags from one kernel, then, only when one is set,
+        the host check on a copy, which names the first bad value."""
+        self._scans += 1
+        self._scan(q, k, v, self._token_flags, self._scans)
+        flags = self._transfer.download(self._token_flags, (TOKEN_FLAGS,)) == self._scans
+        if flags.any():
+            self._check_token(q.to_numpy(), k.to_numpy(), v.to_numpy())
+            raise EngineError(f"step_device: the device scan flagged the token ({flags.tolist()}) but its host "
+                              f"copy passes the checks")  # a scan that disagrees with the host is a bug: say so
+
+    def _plan_step(self):
+        """(position, plane states after the append, route per layer), or raise with nothing written."""
+        g = self.cfg
         p = self.position
         if p >= g.max_context:
             raise EngineError(f"position {p} is past max_context={g.max_context}")
@@ -316,7 +371,11 @@ class Engine:
             raise PinnedUnavailable(
                 f"the ladder chose {pinned} ({ladder.STRICT_ENV} set or pinned forced) but the pinned library is not "
                 f"loaded: {self.pinned_description}")
+        return p, new_states, routes
 
+    def _commit_step(self, p, new_states, routes, q, k, v, device=None):
+        """Write and attend the accepted token.  q, k, v: checked host arrays; or device = (q, k, v, out)
+        ndarrays, checked on the device, with out receiving the result (then nothing is returned)."""
         # ---- commit: from here on the token is accepted ----
         self.launches_last_step = 0
         self._recorded = [] if self._gpu else None  # GPU: replay the step's dispatches as one ti.graph
@@ -327,16 +386,22 @@ class Engine:
             # interleaved producer): the mirror gets the same row, before anything reads it
             for kind, st in new_states.items():
                 self.mirror.store(kind, [st.physical(p)], k[None], v[None])
-        if self._unpack is not None:
-            # launched now, ahead of the step's graph on the same queue (a graph binds device arrays only)
-            self.launches_last_step += 1
-            self._unpack(np.concatenate((q, k, v), axis=1), self._q, self._k_cur, self._v_cur)
-            self._q_dev, k_dev, v_dev = self._q, self._k_cur, self._v_cur
+        out = None
+        if device is not None:
+            self._q_dev, k_dev, v_dev, out_dev = device
+            self._external = {id(a) for a in device}  # graph arguments keyed by shape, not identity
         else:
-            self._q_dev = self._upload(self._q, q)
-            k_dev, v_dev = self._upload(self._k_cur, k), self._upload(self._v_cur, v)
-        out = np.empty_like(q) if not on_gpu() else None
-        out_dev = out if out is not None else self._out
+            self._external = set()
+            if self._unpack is not None:
+                # launched now, ahead of the step's graph on the same queue (a graph binds device arrays only)
+                self.launches_last_step += 1
+                self._unpack(np.concatenate((q, k, v), axis=1), self._q, self._k_cur, self._v_cur)
+                self._q_dev, k_dev, v_dev = self._q, self._k_cur, self._v_cur
+            else:
+                self._q_dev = self._upload(self._q, q)
+                k_dev, v_dev = self._upload(self._k_cur, k), self._upload(self._v_cur, v)
+            out = np.empty_like(q) if not on_gpu() else None
+            out_dev = out if out is not None else self._out
         by_route: dict[str, list[int]] = {}
         for layer, r in enumerate(routes):
             by_route.setdefault(r, []).append(layer)
@@ -381,6 +446,8 @@ class Engine:
         self.position = p + 1
         self.routes = routes
         self.route_counts.update(routes)
+        if device is not None:
+            return None
         if out is None:
             out = self._transfer.download(self._out, q.shape)
             if vec_layers:
@@ -585,7 +652,12 @@ class Engine:
             for j, a in enumerate(args):
                 name = f"d{i}a{j}"
                 values[name] = a
-                sig.append(id(a) if isinstance(a, ti.Ndarray) else type(a).__name__)
+                if not isinstance(a, ti.Ndarray):
+                    sig.append(type(a).__name__)
+                elif id(a) in self._external:  # the caller's arrays (step_device) may change every token
+                    sig.append(("caller", tuple(a.shape)))
+                else:
+                    sig.append(id(a))
             key.append((id(kernel), tuple(sig)))
         key = tuple(key)
         graph = self._graphs.get(key)

@@ -61,8 +61,11 @@ def _copy_kernel():
     return cached(("transfer_copy",), build)
 
 
+HOST_DTYPES = {ti.f32: np.float32, ti.i32: np.int32}
+
+
 class Transfer:
-    """Uploads into and downloads from fixed f32 ndarrays, by the fastest path the backend allows."""
+    """Uploads into and downloads from fixed f32 (or i32) ndarrays, by the fastest path the backend allows."""
 
     def __init__(self):
         self.arch = backend.active()
@@ -81,25 +84,24 @@ class Transfer:
         return int(ti.lang.impl.get_runtime().prog.get_ndarray_data_ptr_as_int(dev.arr))
 
     @staticmethod
-    def _check_shape(dev, shape) -> None:
+    def _host_dtype(dev, shape):
         # a raw copy of the wrong size would write past the allocation: refuse before copying
-        if tuple(shape) != tuple(dev.shape) or dev.dtype != ti.f32:
+        if tuple(shape) != tuple(dev.shape) or dev.dtype not in HOST_DTYPES:
             raise ValueError(f"transfer: host shape {tuple(shape)} against a device array {tuple(dev.shape)} of "
-                             f"{dev.dtype}; expected the same shape, float32")
+                             f"{dev.dtype}; expected the same shape, float32 or int32")
+        return HOST_DTYPES[dev.dtype]
 
     def upload(self, dev, a: np.ndarray) -> None:
-        """dev[...] = a (converted to C-contiguous float32), for an array of dev's shape."""
-        self._check_shape(dev, a.shape)
-        a = np.ascontiguousarray(a, dtype=np.float32)
+        """dev[...] = a (converted to C-contiguous dev's dtype), for an array of dev's shape."""
+        a = np.ascontiguousarray(a, dtype=self._host_dtype(dev, a.shape))
         addr = self._direct(dev)
         if addr and self._driver.htod(addr, a.ctypes.data, a.nbytes) == 0:
             return
         _copy_kernel()(a, dev)
 
     def download(self, dev, shape: tuple[int, ...]) -> np.ndarray:
-        """A new float32 host array holding dev."""
-        self._check_shape(dev, shape)
-        out = np.empty(shape, np.float32)
+        """A new host array (float32 or int32, as dev) holding dev."""
+        out = np.empty(shape, self._host_dtype(dev, shape))
         addr = self._direct(dev)
         if addr and self._driver.dtoh(out.ctypes.data, addr, out.nbytes) == 0:
             return out

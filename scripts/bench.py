@@ -10,6 +10,8 @@ repeat attends exactly `depth` rows.  Whole step: Glimmer's 52 layers at the giv
 Peers, same run, same data shapes: ggml's ggml_flash_attn_ext (ggml-python 0.0.45, the pinned
 library) over f16 planes of the same layout; the float64 numpy reference; torch SDPA if torch is
 installed.  Every figure is a median of --repeats runs; GB/s counts the KV bytes the layer must read.
+On a GPU (--arch cuda/vulkan/metal) a step is timed twice: with numpy in and out (Engine.step), and
+with q/k/v/out already on the device (Engine.step_device, to the device's completion).
 """
 
 from __future__ import annotations
@@ -93,6 +95,31 @@ def timed_step(eng: mt.Engine, rng, repeats: int, warmup: int = 2) -> tuple[floa
         eng.step(q, k, v)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[warmup:]), q
+
+
+def timed_device_step(eng: mt.Engine, rng, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of eng.step_device with q, k, v and out already on the device, to the device's
+    completion (ti.sync inside the timing); rewinds between repeats (untimed), as timed_step."""
+    import taichi as ti
+
+    c = eng.cfg
+    host = [rng.standard_normal(s, dtype=np.float32) for s in
+            ((c.n_layers, c.n_heads, c.head_dim), (c.n_layers, c.n_kv_heads, c.head_dim), (c.n_layers, c.n_kv_heads, c.head_dim))]
+    q, k, v = (ti.ndarray(ti.f32, a.shape) for a in host)
+    for dev, a in zip((q, k, v), host):
+        dev.from_numpy(a)
+    out = ti.ndarray(ti.f32, host[0].shape)
+    p = eng.position
+    times = []
+    for _ in range(warmup + repeats):
+        if eng.position > p:
+            eng.rewind(p)
+        ti.sync()
+        t0 = time.perf_counter()
+        eng.step_device(q, k, v, out)
+        ti.sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[warmup:])
 
 
 class Peers:
@@ -280,11 +307,16 @@ def gpu_step(base, depth, arch, rng, repeats, torch) -> dict:
     eng = mt.Engine(base, arch=arch, pinned="off")
     prefill(eng, depth - 1, rng)
     ours, _ = timed_step(eng, rng, repeats, warmup=3)
+    eng.rewind(eng.position - 1)  # timed_step leaves its last step in place
+    resident = timed_device_step(eng, rng, repeats, warmup=3)
     visibles = [base.visible(kind, depth - 1) for kind in base.layer_kinds]
     row = {"what": f"{base.n_layers}-layer step (wall, host incl.)", "depth": depth, "visible": max(visibles),
-           "ours_ms": ours * 1e3, "launches": eng.launches_last_step, "routes": dict(eng.route_counts)}
+           "ours_ms": ours * 1e3, "launches": eng.launches_last_step, "routes": dict(eng.route_counts),
+           # the same step with q/k/v/out on the device (Engine.step_device), as an on-device decoder calls it
+           "device_io_ms": resident * 1e3}
     if torch is not None:
         row["torch_ms"] = torch_sdpa_ms(torch, base, visibles, repeats)
+        row["device_io_over_torch"] = row["device_io_ms"] / row["torch_ms"]
     return finish(row, base, visibles)
 
 
@@ -312,7 +344,7 @@ def print_table(rows: list[dict], title: str) -> None:
     t = Table(title=title)
     cols = [("what", "what"), ("depth", "depth"), ("workgroups", "nwg"), ("ours_ms", "ours ms"), ("ggml_ms", "ggml ms"),
             ("ours_over_ggml", "ours/ggml"), ("torch_ms", "torch ms"), ("ours_over_torch", "ours/torch"),
-            ("numpy_ref_ms", "numpy f64 ms"), ("ours_gb_s", "ours GB/s"), ("ours_gflop_s", "ours GFLOP/s"),
+            ("device_io_ms", "device I/O ms"), ("device_io_over_torch", "device I/O/torch"), ("numpy_ref_ms", "numpy f64 ms"), ("ours_gb_s", "ours GB/s"), ("ours_gflop_s", "ours GFLOP/s"),
             ("flop_floor_ms", "FLOP floor ms"), ("byte_floor_ms", "byte floor ms"), ("ours_over_floor", "ours/floor")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     for _, name in cols:

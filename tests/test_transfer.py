@@ -23,6 +23,18 @@ def test_upload_then_download_is_bit_exact(arch, shape):
     np.testing.assert_array_equal(got, a)
 
 
+def test_int32_arrays_round_trip_and_other_dtypes_are_refused(arch):
+    t = Transfer()
+    flags = np.array([0, -1, 2**31 - 1, -2**31, 7], np.int32)
+    dev = ti.ndarray(ti.i32, flags.shape)
+    t.upload(dev, flags)
+    got = t.download(dev, flags.shape)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, flags)
+    with pytest.raises(ValueError, match="expected the same shape, float32 or int32"):
+        t.download(ti.ndarray(ti.f16, (5,)), (5,))
+
+
 def test_copies_are_ordered_with_kernels(arch):
     """A kernel that reads the uploaded array and writes another sees this upload and is seen by the download."""
 

@@ -79,3 +79,39 @@ def build_unpack(n_heads: int, n_kv: int, head_dim: int):
         return unpack
 
     return cached(("unpack", H, KV, D), build)
+
+
+TOKEN_FLAGS = 5  # non-finite q, k, v values; k, v values outside the f16 range (|x| > 65504)
+F16_MAX = 65504.0
+F32_MAX = 3.4028234663852886e38
+
+
+def build_token_scan(n_heads: int, n_kv: int, head_dim: int):
+    """The input checks of a device-resident token (Engine.step_device) in one launch of one loop.
+
+    A flag is set to the scan's ``stamp`` (a count the engine raises every scan) rather than counted
+    from zero, so no launch is spent clearing it: the host reads ``flags[i] == stamp``.
+    ``not |x| <= F32_MAX`` holds for NaN (every comparison with it is false) and for +-inf."""
+    H, KV, D = n_heads, n_kv, head_dim
+
+    def build():
+        @ti.kernel
+        def scan(q: f32_3d, k: f32_3d, v: f32_3d, flags: ti.types.ndarray(dtype=ti.i32, ndim=1), stamp: ti.i32):
+            for layer, r, d in ti.ndrange(q.shape[0], H + 2 * KV, D):
+                x = 0.0
+                if r < H:
+                    x = q[layer, r, d]
+                elif r < H + KV:
+                    x = k[layer, r - H, d]
+                else:
+                    x = v[layer, r - H - KV, d]
+                kind = 0 if r < H else (1 if r < H + KV else 2)
+                a = ti.abs(x)
+                if not a <= F32_MAX:
+                    ti.atomic_max(flags[kind], stamp)
+                elif kind > 0 and a > F16_MAX:
+                    ti.atomic_max(flags[kind + 2], stamp)
+
+        return scan
+
+    return cached(("token_scan", H, KV, D), build)

@@ -1,0 +1,136 @@
+"""Engine.step_device: the activations stay on the device; results, refusals and state match step()."""
+
+import numpy as np
+import pytest
+import taichi as ti
+
+import muser_ti as mt
+from muser_ti import EngineError
+from sessions import DISTRIBUTIONS, GEOMETRIES, Session, geometry
+
+
+def device_arrays(*host):
+    out = []
+    for a in host:
+        dev = ti.ndarray(ti.f32, a.shape)
+        dev.from_numpy(a)
+        out.append(dev)
+    return out
+
+
+def prefill_both(s: Session, other: mt.Engine, n: int) -> None:
+    """The same prefill rows into a session's engine and another engine."""
+    c = s.cfg
+    k = s.rng.standard_normal((n, c.n_layers, c.n_kv_heads, c.head_dim)).astype(np.float32)
+    v = s.rng.standard_normal(k.shape).astype(np.float32)
+    for eng in (s.eng, other):
+        eng.prefill(k, v)
+    s.history_k.extend(k)
+    s.max_abs_v = max(s.max_abs_v, float(np.abs(v).max()))
+
+
+def assert_same_state(a: mt.Engine, b: mt.Engine):
+    assert a.position == b.position and a.routes == b.routes
+    for kind, (k, v, st) in a.planes_snapshot().items():
+        k2, v2, st2 = b.planes_snapshot()[kind]
+        assert st == st2, kind
+        np.testing.assert_array_equal(k, k2)
+        np.testing.assert_array_equal(v, v2)
+
+
+@pytest.mark.parametrize("geom", list(GEOMETRIES))
+@pytest.mark.parametrize("dist", DISTRIBUTIONS)
+def test_step_device_gives_steps_bits(arch, geom, dist):
+    """Two engines, one token stream: step() with numpy, step_device() with ndarrays, through the ring's
+    wrap and a NoPE plane growth; the caller's buffers alternate between two sets, as a double-buffered
+    decoder's would (the step graph is keyed by their shapes, so both sets replay the same graph)."""
+    cfg = geometry(window=48, **GEOMETRIES[geom])
+    host = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=5, dist=dist)
+    dev = mt.Engine(cfg, arch=arch, pinned="off")
+    prefill_both(host, dev, 40)
+    shapes = [(cfg.n_layers, cfg.n_heads, cfg.head_dim), (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)]
+    buffers = [[ti.ndarray(ti.f32, s) for s in (shapes[0], shapes[1], shapes[1], shapes[0])] for _ in range(2)]
+    for t in range(30):
+        q, k, v = host.token()
+        expected = host.eng.step(q, k, v)
+        host.history_k.append(k)
+        host.check(expected, host.eng.reference(q, k, v))
+        qd, kd, vd, out = buffers[t % 2]
+        qd.from_numpy(q), kd.from_numpy(k), vd.from_numpy(v)
+        out.fill(float("nan"))
+        assert dev.step_device(qd, kd, vd, out) is out
+        np.testing.assert_array_equal(out.to_numpy(), expected, err_msg=f"token {t}")
+    assert_same_state(host.eng, dev)
+    assert dev.planes["swa"].state.origin_logical > 0 and dev.planes["nope"].state.capacity > 64  # wrapped, grew
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    (lambda q, k, v: (q, k, np.where(np.arange(v.size).reshape(v.shape) == 77, np.nan, v)),
+     "v: non-finite value nan at layer 0, kv head 1, d 13"),
+    (lambda q, k, v: (np.where(np.arange(q.size).reshape(q.shape) == 5, -np.inf, q), k, v),
+     "q: non-finite value -inf at layer 0, head 0, d 5"),
+    (lambda q, k, v: (q, np.where(np.arange(k.size).reshape(k.shape) == 2 * 128 + 64 + 7, 7e4, k), v),
+     "k: value 70000 at layer 2, kv head 1, d 7 overflows the f16 plane"),
+    (lambda q, k, v: (q, k, np.where(np.arange(v.size).reshape(v.shape) == 300, -65520.0, v)),
+     "v: value -65520 at layer 2, kv head 0, d 44 overflows the f16 plane"),
+])
+def test_bad_device_token_is_refused_as_step_refuses_it(arch, bad, fragment):
+    cfg = geometry(window=64, **GEOMETRIES["gqa4-d64"])
+    s = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=4)
+    s.prefill(70)
+    s.step()
+    before, pos = s.eng.planes_snapshot(), s.eng.position
+    q, k, v = bad(*s.token())
+    out = ti.ndarray(ti.f32, q.shape)
+    with pytest.raises(EngineError) as info:
+        s.eng.step_device(*device_arrays(q, k, v), out)
+    assert fragment in str(info.value)
+    after = s.eng.planes_snapshot()
+    for kind in before:
+        assert before[kind][2] == after[kind][2]
+        np.testing.assert_array_equal(before[kind][0], after[kind][0])
+        np.testing.assert_array_equal(before[kind][1], after[kind][1])
+    assert s.eng.position == pos
+    # a value at the edge of the f16 range is accepted, and the session goes on
+    q, k, v = s.token()
+    k[0, 0, 0], v[1, 1, 1] = 65504.0, -65504.0
+    s.eng.step_device(*device_arrays(q, k, v), out)
+    assert s.eng.position == pos + 1
+
+
+def test_step_device_refuses_what_is_not_a_float32_ndarray_of_the_shape(arch):
+    cfg = geometry(window=64, **GEOMETRIES["gqa4-d64"])
+    eng = mt.Engine(cfg, arch=arch, pinned="off")
+    L, H, KV, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q, k, v, out = (ti.ndarray(ti.f32, s) for s in ((L, H, D), (L, KV, D), (L, KV, D), (L, H, D)))
+    cases = [
+        ((q.to_numpy(), k, v, out), "step_device q: expected a Taichi float32 ndarray of shape (4, 8, 64), got ndarray"),
+        ((q, ti.ndarray(ti.f32, (L, KV, D + 1)), v, out), "step_device k: expected a Taichi float32 ndarray of shape "
+                                                         "(4, 2, 64), got f32 ndarray of shape (4, 2, 65)"),
+        ((q, k, ti.ndarray(ti.f16, (L, KV, D)), out), "step_device v: expected a Taichi float32 ndarray of shape "
+                                                      "(4, 2, 64), got f16 ndarray of shape (4, 2, 64)"),
+        ((q, k, v, ti.ndarray(ti.f32, (L, KV, D))), "step_device out: expected"),
+    ]
+    for args, fragment in cases:
+        with pytest.raises(EngineError) as info:
+            eng.step_device(*args)
+        assert fragment in str(info.value)
+    assert eng.position == 0
+
+
+def test_step_device_with_a_mirror_takes_the_host_path_and_the_same_bits(arch):
+    """Mirror planes are written from host rows: step_device copies the token there, with step()'s result."""
+    cfg = geometry(window=32, **GEOMETRIES["gqa4-d64"])
+    a = Session(mt.Engine(cfg, arch=arch, pinned="off", mirror="host"), seed=9)
+    b = mt.Engine(cfg, arch=arch, pinned="off", mirror="host")
+    prefill_both(a, b, 30)
+    out = ti.ndarray(ti.f32, (cfg.n_layers, cfg.n_heads, cfg.head_dim))
+    for _ in range(6):
+        q, k, v = a.token()
+        expected = a.eng.step(q, k, v)
+        b.step_device(*device_arrays(q, k, v), out)
+        np.testing.assert_array_equal(out.to_numpy(), expected)
+    assert_same_state(a.eng, b)
+    for kind in a.eng.mirror.k:
+        np.testing.assert_array_equal(a.eng.mirror.k[kind], b.mirror.k[kind])
+        np.testing.assert_array_equal(a.eng.mirror.v[kind], b.mirror.v[kind])
