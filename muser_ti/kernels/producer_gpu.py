@@ -35,7 +35,10 @@ SDPA's ~56 us.  ncu: 59 % of issue slots busy, 2.9 instructions per FMA, and a t
 instructions are integer address arithmetic: the PTX addresses each staged K value with its own
 ``add.s32; mul.wide.s32; add.s64`` (a 32-bit index sign-extended per access), so a constant offset
 costs an add and a shift instead of riding in the load; the query loads, addressed off one pointer,
-do not pay it and even merge into 128-bit loads.  torch uses tensor cores, which Taichi cannot.
+do not pay it and even merge into 128-bit loads.  Laying the K chunk out dimension-major with each
+thread's score rows adjacent, or giving each thread adjacent value dims, so those loads could merge
+too, did not make them merge (148 scalar shared loads in the SASS either way) and cost 13-30 %, bank
+conflicts of scalar reads 4 floats apart being the likely reason (run 8).  torch uses tensor cores, which Taichi cannot.
 
 Block ownership is the chapter's (block b belongs to workgroup (b // nsg) % nwg): a workgroup walks
 its owned rows in increasing order, R at a time, with one online-softmax update per tile.
