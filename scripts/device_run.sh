@@ -6,7 +6,7 @@
 #   tests  the parametrised suite on CUDA and Vulkan
 #   steps  the 52-layer step on CUDA and Vulkan
 #   final  the suite on both backends, CUDA layers, steps on both backends
-#   figures  CUDA layers, steps on both backends, Vulkan tile variants by wall time (TUNE_VARIANTS)
+#   figures  quick, then Vulkan tile variants by wall time (TUNE_VARIANTS)
 #   kernel after a producer change: CUDA layers at two workgroup targets, and ncu on one deep layer
 #   tune   tile variants of the GPU producer in one process, with ptxas -v on each (scripts/tune_gpu.py)
 #   ncu    ncu's counters on one NoPE layer at 131,072 keys
@@ -78,13 +78,8 @@ if [ "$what" = final ]; then  # the suite on both backends, then the steps on bo
   bench vulkan-steps timeout 120 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
     --repeats 15 --json "$OUT/vulkan-steps.json"
 fi
-if [ "$what" = figures ]; then  # PERF.md's rows after a kernel change: CUDA layers, steps on both, Vulkan tiles
-  bench cuda-layers MUSER_TI_KERNEL_PROFILER=1 timeout 100 python3 scripts/bench.py --arch cuda --mode layers \
-    --layer-depths 2048,8192,32768,131072 --routes interleaved,splitk --repeats 15 --json "$OUT/cuda-layers.json"
-  bench cuda-steps timeout 120 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,32768,131072 \
-    --repeats 15 --json "$OUT/cuda-steps.json"
-  bench vulkan-steps timeout 150 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
-    --repeats 15 --json "$OUT/vulkan-steps.json"
+if [ "$what" = figures ]; then  # quick's rows, then the Vulkan tile check by wall time (TUNE_VARIANTS)
+  bash "$0" quick
   timeout 120 python3 scripts/tune_gpu.py tiles --arch vulkan --depths 2048,131072 --variants "${TUNE_VARIANTS:-;T=256,PF=0}" \
     --json "$OUT/tune-vulkan.json" > "$OUT/tune-vulkan.log" 2>&1
   echo "== tune vulkan rc=$?"; grep -E '^\{' "$OUT/tune-vulkan.log" | cut -c1-300
