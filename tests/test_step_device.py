@@ -69,6 +69,8 @@ def test_step_device_gives_steps_bits(arch, geom, dist):
      "v: non-finite value nan at layer 0, kv head 1, d 13"),
     (lambda q, k, v: (np.where(np.arange(q.size).reshape(q.shape) == 5, -np.inf, q), k, v),
      "q: non-finite value -inf at layer 0, head 0, d 5"),
+    (lambda q, k, v: (q, np.where(np.arange(k.size).reshape(k.shape) == 130, np.inf, k), v),
+     "k: non-finite value inf at layer 1, kv head 0, d 2"),
     (lambda q, k, v: (q, np.where(np.arange(k.size).reshape(k.shape) == 2 * 128 + 64 + 7, 7e4, k), v),
      "k: value 70000 at layer 2, kv head 1, d 7 overflows the f16 plane"),
     (lambda q, k, v: (q, k, np.where(np.arange(v.size).reshape(v.shape) == 300, -65520.0, v)),
