@@ -132,15 +132,15 @@ class Engine:
         self._gpu = gpu
         self._partials: dict[int, object] = {}  # group size -> [n_group, H, workgroups, 2 + D] scratch
         self._no_visits = ti.ndarray(ti.i32, (1, 1))
-        self._out = ti.ndarray(ti.f32, (g.n_layers, H, D))
+        self._token_shape = {"q": (g.n_layers, H, D), "k": (g.n_layers, KV, D), "v": (g.n_layers, KV, D),
+                             "out": (g.n_layers, H, D)}
+        self._out = ti.ndarray(ti.f32, self._token_shape["out"])
         self._scan = build_token_scan(H, KV, D)
         self._token_flags = ti.ndarray(ti.i32, (TOKEN_FLAGS,))
         self._token_flags.fill(0)
         self._scans = 0  # the stamp of the last scan (build_token_scan says why)
         self._external: set[int] = set()
-        self._q = ti.ndarray(ti.f32, (g.n_layers, H, D))
-        self._k_cur = ti.ndarray(ti.f32, (g.n_layers, KV, D))
-        self._v_cur = ti.ndarray(ti.f32, (g.n_layers, KV, D))
+        self._q, self._k_cur, self._v_cur = (ti.ndarray(ti.f32, self._token_shape[n]) for n in ("q", "k", "v"))
         self._transfer = Transfer()  # per-token copies: the CUDA driver's memcpy where it can (transfer.py)
         # Where host copies go through Taichi (Vulkan, Metal), from_numpy synchronises the device after its
         # copy kernel (1.5-2.2 ms per upload on the H200's Vulkan, docs/PERF.md run 7).  There q, k and v go
@@ -310,11 +310,8 @@ class Engine:
         that need the activations on the host (a pinned llama.cpp route, mirror planes) copy them there.
         """
         self._check_alive()
-        g = self.cfg
-        for name, a, shape in (("q", q, (g.n_layers, g.n_heads, g.head_dim)),
-                               ("k", k, (g.n_layers, g.n_kv_heads, g.head_dim)),
-                               ("v", v, (g.n_layers, g.n_kv_heads, g.head_dim)),
-                               ("out", out, (g.n_layers, g.n_heads, g.head_dim))):
+        for name, a in (("q", q), ("k", k), ("v", v), ("out", out)):
+            shape = self._token_shape[name]
             if not isinstance(a, ti.Ndarray) or tuple(a.shape) != shape or a.dtype != ti.f32:
                 got = (f"{a.dtype} ndarray of shape {tuple(a.shape)}" if isinstance(a, ti.Ndarray)
                        else type(a).__name__)
@@ -322,7 +319,7 @@ class Engine:
         self._scan_device_token(q, k, v)
         p, new_states, routes = self._plan_step()
         if self.mirror is not None or any(r in ladder.PINNED_ROUTES for r in routes):
-            host = self._commit_step(p, new_states, routes, q.to_numpy(), k.to_numpy(), v.to_numpy())
+            host = self._commit_step(p, new_states, routes, *self._download_token(q, k, v))
             self._transfer.upload(out, host)
         else:
             self._commit_step(p, new_states, routes, None, None, None, device=(q, k, v, out))
@@ -330,10 +327,9 @@ class Engine:
         return out
 
     def _check_token(self, q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        g = self.cfg
-        q = self._check_array("q", q, (g.n_layers, g.n_heads, g.head_dim))
-        k = self._check_array("k", k, (g.n_layers, g.n_kv_heads, g.head_dim))
-        v = self._check_array("v", v, (g.n_layers, g.n_kv_heads, g.head_dim))
+        q = self._check_array("q", q, self._token_shape["q"])
+        k = self._check_array("k", k, self._token_shape["k"])
+        v = self._check_array("v", v, self._token_shape["v"])
         self._check_kv_range("k", k)
         self._check_kv_range("v", v)
         return q, k, v
@@ -345,9 +341,12 @@ class Engine:
         self._scan(q, k, v, self._token_flags, self._scans)
         flags = self._transfer.download(self._token_flags, (TOKEN_FLAGS,)) == self._scans
         if flags.any():
-            self._check_token(q.to_numpy(), k.to_numpy(), v.to_numpy())
+            self._check_token(*self._download_token(q, k, v))
             raise EngineError(f"step_device: the device scan flagged the token ({flags.tolist()}) but its host "
                               f"copy passes the checks")  # a scan that disagrees with the host is a bug: say so
+
+    def _download_token(self, q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return tuple(self._transfer.download(a, self._token_shape[name]) for name, a in (("q", q), ("k", k), ("v", v)))
 
     def _plan_step(self):
         """(position, plane states after the append, route per layer), or raise with nothing written."""

@@ -79,47 +79,46 @@ def prefill(eng: mt.Engine, n: int, rng, chunk: int = 4096) -> None:
         done += m
 
 
-def timed_step(eng: mt.Engine, rng, repeats: int, warmup: int = 2) -> tuple[float, np.ndarray]:
-    """Median seconds of eng.step at the engine's depth; rewinds between repeats (untimed) and leaves
-    the last step in place, so the planes then hold exactly what the timed steps attended."""
-    c = eng.cfg
-    q = rng.standard_normal((c.n_layers, c.n_heads, c.head_dim), dtype=np.float32)
-    k = rng.standard_normal((c.n_layers, c.n_kv_heads, c.head_dim), dtype=np.float32)
-    v = rng.standard_normal((c.n_layers, c.n_kv_heads, c.head_dim), dtype=np.float32)
-    p = eng.position
-    times = []
-    for i in range(warmup + repeats):
-        if eng.position > p:
-            eng.rewind(p)
-        t0 = time.perf_counter()
-        eng.step(q, k, v)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[warmup:]), q
+def random_token(c: mt.Geometry, rng) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One decode token's q, k, v (float32, standard normal)."""
+    return tuple(rng.standard_normal(shape, dtype=np.float32) for shape in
+                 ((c.n_layers, c.n_heads, c.head_dim), (c.n_layers, c.n_kv_heads, c.head_dim),
+                  (c.n_layers, c.n_kv_heads, c.head_dim)))
 
 
-def timed_device_step(eng: mt.Engine, rng, repeats: int, warmup: int = 2) -> float:
-    """Median seconds of eng.step_device with q, k, v and out already on the device, to the device's
-    completion (ti.sync inside the timing); rewinds between repeats (untimed), as timed_step."""
-    import taichi as ti
-
-    c = eng.cfg
-    host = [rng.standard_normal(s, dtype=np.float32) for s in
-            ((c.n_layers, c.n_heads, c.head_dim), (c.n_layers, c.n_kv_heads, c.head_dim), (c.n_layers, c.n_kv_heads, c.head_dim))]
-    q, k, v = (ti.ndarray(ti.f32, a.shape) for a in host)
-    for dev, a in zip((q, k, v), host):
-        dev.from_numpy(a)
-    out = ti.ndarray(ti.f32, host[0].shape)
+def rewound_median(eng: mt.Engine, call, repeats: int, warmup: int, settle=None) -> float:
+    """Median seconds of ``call`` (one step) at the engine's depth; rewinds between repeats and ``settle``
+    run untimed, and the last step is left in place, so the planes then hold what the timed steps attended."""
     p = eng.position
     times = []
     for _ in range(warmup + repeats):
         if eng.position > p:
             eng.rewind(p)
-        ti.sync()
+        if settle is not None:
+            settle()
         t0 = time.perf_counter()
-        eng.step_device(q, k, v, out)
-        ti.sync()
+        call()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[warmup:])
+
+
+def timed_step(eng: mt.Engine, rng, repeats: int, warmup: int = 2) -> tuple[float, np.ndarray]:
+    """Median seconds of eng.step at the engine's depth (rewound_median), and the q it attended."""
+    q, k, v = random_token(eng.cfg, rng)
+    return rewound_median(eng, lambda: eng.step(q, k, v), repeats, warmup), q
+
+
+def timed_device_step(eng: mt.Engine, rng, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of eng.step_device with q, k, v and out already on the device, to the device's
+    completion (ti.sync inside the timing, and before it untimed)."""
+    import taichi as ti
+
+    dev = []
+    for a in random_token(eng.cfg, rng):
+        dev.append(ti.ndarray(ti.f32, a.shape))
+        dev[-1].from_numpy(a)
+    out = ti.ndarray(ti.f32, dev[0].shape)
+    return rewound_median(eng, lambda: (eng.step_device(*dev, out), ti.sync()), repeats, warmup, settle=ti.sync)
 
 
 class Peers:
@@ -344,7 +343,8 @@ def print_table(rows: list[dict], title: str) -> None:
     t = Table(title=title)
     cols = [("what", "what"), ("depth", "depth"), ("workgroups", "nwg"), ("ours_ms", "ours ms"), ("ggml_ms", "ggml ms"),
             ("ours_over_ggml", "ours/ggml"), ("torch_ms", "torch ms"), ("ours_over_torch", "ours/torch"),
-            ("device_io_ms", "device I/O ms"), ("device_io_over_torch", "device I/O/torch"), ("numpy_ref_ms", "numpy f64 ms"), ("ours_gb_s", "ours GB/s"), ("ours_gflop_s", "ours GFLOP/s"),
+            ("device_io_ms", "device I/O ms"), ("device_io_over_torch", "device I/O/torch"),
+            ("numpy_ref_ms", "numpy f64 ms"), ("ours_gb_s", "ours GB/s"), ("ours_gflop_s", "ours GFLOP/s"),
             ("flop_floor_ms", "FLOP floor ms"), ("byte_floor_ms", "byte floor ms"), ("ours_over_floor", "ours/floor")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     for _, name in cols:

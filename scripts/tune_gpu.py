@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import muser_ti as mt  # noqa: E402
-from bench import layer_geometry, median_time as median_s, prefill  # noqa: E402
+from bench import layer_geometry, median_time as median_s, prefill, random_token  # noqa: E402
 from muser_ti.kernels.common import HEAD_MAJOR  # noqa: E402
 from muser_ti.kernels.producer import addressing  # noqa: E402
 from muser_ti.kernels.producer_gpu import SHARED_BUDGET_BYTES, build_gpu_producer, gpu_tile_plan, tile_overrides  # noqa: E402
@@ -56,9 +56,7 @@ def tiles(args, rows) -> None:
         cfg = layer_geometry(base, "interleaved", depth)
         eng = mt.Engine(cfg, arch=args.arch, force="interleaved", pinned="off")
         prefill(eng, depth - 1, rng)
-        q = rng.standard_normal((1, cfg.n_heads, cfg.head_dim), dtype=np.float32)
-        k = rng.standard_normal((1, cfg.n_kv_heads, cfg.head_dim), dtype=np.float32)
-        v = rng.standard_normal((1, cfg.n_kv_heads, cfg.head_dim), dtype=np.float32)
+        q, k, v = random_token(cfg, rng)
         eng.step(q, k, v)
         ref = eng.reference(q, k, v)
         st, p, layers = eng.planes["nope"].state, eng.position - 1, tuple(cfg.nope_layers)
@@ -127,9 +125,7 @@ def step(args, rows) -> None:
     rng = np.random.default_rng(args.seed)
     eng = mt.Engine(cfg, arch=args.arch, pinned="off")
     prefill(eng, args.depth - 1, rng)
-    q = rng.standard_normal((cfg.n_layers, cfg.n_heads, cfg.head_dim), dtype=np.float32)
-    k = rng.standard_normal((cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), dtype=np.float32)
-    v = rng.standard_normal((cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), dtype=np.float32)
+    q, k, v = random_token(cfg, rng)
     p = eng.position
     recorded = []
     replay = eng._replay
