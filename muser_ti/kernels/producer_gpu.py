@@ -27,18 +27,23 @@ Registers decide occupancy, and Taichi decides the register cap: it marks every 
 ``.maxntid T`` and ``.minnctapersm 2``, so ptxas may use 65,536 / (2 T) registers per thread (seen
 in the PTX, docs/PERF.md run 7); ``gpu_max_reg`` never reaches the driver in 1.7.4, so T is the only
 register knob there is.  At T = 256 the cap is 128 and the kernel spills (136-184 bytes, ptxas -v);
-at T = 128 it takes 253 registers with no spills, an SM holds 2 workgroups of 4 warps, and with the
-pipelined chunks that is the faster shape: the chunk loads no longer need other warps to hide them.
+at T = 128 it takes 221 registers (253 before run 9) with no spills, an SM holds 2 workgroups of 4
+warps, and with the pipelined chunks that is the faster shape: the chunk loads no longer need other
+warps to hide them.
 
-Known deficit (H200, docs/PERF.md run 8): one NoPE layer at 131,072 keys takes ~195 us against torch
-SDPA's ~56 us.  ncu: 59 % of issue slots busy, 2.9 instructions per FMA, and a third of all
-instructions are integer address arithmetic: the PTX addresses each staged K value with its own
-``add.s32; mul.wide.s32; add.s64`` (a 32-bit index sign-extended per access), so a constant offset
-costs an add and a shift instead of riding in the load; the query loads, addressed off one pointer,
-do not pay it and even merge into 128-bit loads.  Laying the K chunk out dimension-major with each
-thread's score rows adjacent, or giving each thread adjacent value dims, so those loads could merge
-too, did not make them merge (148 scalar shared loads in the SASS either way) and cost 13-30 %, bank
-conflicts of scalar reads 4 floats apart being the likely reason (run 8).  torch uses tensor cores, which Taichi cannot.
+Index arithmetic: every per-thread index (thread id, tile coordinates, chunk cells) is built with
+udiv/umod (shifts and masks) instead of Taichi's ``//`` and ``%``, whose floor semantics hid the
+index ranges from LLVM.  With Taichi's ops each staged K value cost ``add.s32; mul.wide.s32;
+add.s64`` before its shared load (a third of all instructions, run 8); with udiv/umod the offsets
+fold into the loads and the score loop is 256 FFMA + 80 shared loads per chunk (SASS, run 9).
+
+Known deficit (H200, docs/PERF.md run 9): one NoPE layer at 131,072 keys takes ~170 us against torch
+SDPA's ~58 us.  ncu: 76 M warp instructions (2.3 per FMA; FFMA 45 %, shared loads 17 %), 51 % of
+issue slots busy, 8 warps per SM (221 registers, 2 workgroups).  Stall samples: 20 % fixed-latency
+waits, 13 % long scoreboard (a quarter of it the f16 -> f32 conversion of the prefetched chunk),
+11 % short scoreboard.  The plane loads are generic ``ld.b16`` (Taichi loads an ndarray's pointer
+from the argument buffer, so LLVM cannot prove it global) and each staged element costs a row lookup
+and its own 32-bit index.  torch uses tensor cores, which Taichi cannot.
 
 Block ownership is the chapter's (block b belongs to workgroup (b // nsg) % nwg): a workgroup walks
 its owned rows in increasing order, R at a time, with one online-softmax update per tile.
@@ -53,11 +58,11 @@ from .common import BLOCK_ROWS, RUNNING_MAX_INIT, VISIT_OWNER, f16_plane, f32_3d
 
 SHARED_BUDGET_BYTES = {"cuda": 48 * 1024, "vulkan": 48 * 1024, "metal": 32 * 1024}  # without opt-in
 GPU_PRODUCER_THREADS = 128  # T: 128 lets ptxas use 255 registers (see above).  One NoPE layer on the H200 at
-#                            131,072 / 32,768 / 2,048 keys, device time: 194-196 / 79-81 / 47-58 us at T = 128
-#                            with pipelined chunks, 220 / 86 / 49 at T = 256 with them, 241 / 89 / 49 at T = 256
-#                            without (run 8); 64 threads ran 371 us at 131,072 (docs/PERF.md)
+#                            131,072 / 32,768 keys, device time: 170 / 74 us at T = 128, 198 / 82 at T = 256
+#                            (cap 128 registers; run 9).  Before udiv/umod: 194-196 / 79-81 at T = 128, 220 / 86
+#                            at T = 256 (run 8); 64 threads ran 371 us at 131,072 (docs/PERF.md)
 K_CHUNK_DIMS = 16  # DC: dimensions of K staged per chunk ([R][DC+1] f32 = 8.5 KiB at R = 128)
-MAX_SCORE_HEADS = 4  # HB: 8 x 2 tiles at T = 128 ran within 1 % of 4 x 4 (run 8); 8 x 1 at T = 256 ran 275 us
+MAX_SCORE_HEADS = 4  # HB: 8 x 2 tiles at T = 128 ran 173 vs 170 us (run 9); 8 x 1 at T = 256 ran 275 us
 #                      at 131,072 keys, against 262 for 4 x 2 (run 7)
 MAX_VALUE_DIMS = 8  # VD: value dims per thread
 MAX_VALUE_HEADS = 4  # VH: 4 x 8 = 32 accumulators.  2 x 8 ran 307 us against 257 at T = 256 (run 7); 8 x 8
@@ -65,9 +70,32 @@ MAX_VALUE_HEADS = 4  # VH: 4 x 8 = 32 accumulators.  2 x 8 ran 307 us against 25
 LOAD_GROUP = 16  # LG cap, unpipelined chunks only: loads in flight per thread before their stores; 8 and 4
 #                  ran 10 % and 23 % slower than 16 with 256-row tiles (run 7)
 PREFETCH = 1  # PF: chunk c+1 loads (kept f16) while chunk c's FMAs run; see above.  K chunks of 8 / 32 dims
-#               with it ran 223 / 204 us at 131,072 keys against 196 for 16 (run 8)
+#               with it ran 223 / 204 us at 131,072 keys against 196 for 16 (run 8).  Two chunks in flight
+#               (a second f16 stage; V's first chunks loaded under K's last) ran 187 vs 173 us (run 9)
 MAX_TILE_ROWS = 128  # R: 256-row tiles ran 202 us at 131,072 keys against 196 (run 8, T = 128), and 64-row
 #                      tiles 254 against 220 (T = 256); short windows leave long tiles mostly empty (run 7)
+
+
+@ti.func
+def udiv(x, n: ti.template()):
+    """x // n for x >= 0 and a compile-time n.  Taichi's ``//`` and ``%`` are Python's floor ops: a
+    divide plus a sign correction that hides the result's range from LLVM, so every shared-memory index
+    built from them was sign-extended per access (``add.s32; mul.wide.s32; add.s64`` in the PTX) and no
+    constant offset folded into a load.  A shift or a mask keeps the range known, and the offsets fold
+    (docs/PERF.md run 9: 100 M -> 76 M warp instructions, 196 -> 170 us at 131,072 keys)."""
+    if ti.static(n & (n - 1) == 0):
+        return x >> ti.static(n.bit_length() - 1)
+    else:
+        return ti.raw_div(x, n)
+
+
+@ti.func
+def umod(x, n: ti.template()):
+    """x % n for x >= 0 and a compile-time n (see udiv)."""
+    if ti.static(n & (n - 1) == 0):
+        return x & ti.static(n - 1)
+    else:
+        return ti.raw_mod(x, n)
 
 
 def _largest_divisor(n: int, at_most: int) -> int:
@@ -220,9 +248,9 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
         """(row, column) of element tid + k*T of a chunk whose rows are ``width`` wide (e0 = tid)."""
         row, col = 0, 0
         if ti.static(split):
-            row, col = e0 // width + k * (T // width), e0 % width
+            row, col = udiv(e0, width) + k * (T // width), umod(e0, width)
         else:
-            row, col = (e0 + k * T) // width, (e0 + k * T) % width
+            row, col = udiv(e0 + k * T, width), umod(e0 + k * T, width)
         return row, col
 
     @ti.func
@@ -287,8 +315,8 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
     ):
         ti.loop_config(block_dim=T)
         for t in range(n_group * KV * nwg * T):
-            tid = t % T
-            g, kvh, wg, logical_start, visible = at.work_item(t // T, nwg, position, window)
+            tid = umod(t, T)
+            g, kvh, wg, logical_start, visible = at.work_item(udiv(t, T), nwg, position, window)
             layer, slot = layers[g], slots[g]
 
             q_sh = ti.simt.block.SharedArray((G * D,), ti.f32)
@@ -308,7 +336,7 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
                         e += T
             e = tid
             while e < G * D:
-                q_sh[e] = q[layer, kvh * G + e // D, e % D]
+                q_sh[e] = q[layer, kvh * G + udiv(e, D), umod(e, D)]
                 e += T
             if tid < G:
                 state[tid] = RUNNING_MAX_INIT
@@ -316,9 +344,9 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
 
             # this thread's score tile: heads h0 + i, rows sr + RG*j; value tile: heads vh0 + i,
             # dims dg + DG*j, rows rs, rs + RS, ... of each V chunk
-            h0, sr = (tid // RG) * HB, tid % RG
-            rs, vl = tid // (HGV * DG), tid % (HGV * DG)
-            vh0, dg = (vl // DG) * VH, vl % DG
+            h0, sr = udiv(tid, RG) * HB, umod(tid, RG)
+            rs, vl = udiv(tid, HGV * DG), umod(tid, HGV * DG)
+            vh0, dg = udiv(vl, DG) * VH, umod(vl, DG)
             acc = ti.Matrix.zero(ti.f32, VH, VD)
             lsum = ti.Vector([0.0] * HB)
 
@@ -361,9 +389,9 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
                         if c + 1 < NKC:
                             ahead = load_chunk(k_plane, rows_sh, slot, kvh, True, c + 1, tid, 0, LOADS)
                     if tid < SCORE_THREADS:
-                        for dd in range(DC):  # not unrolled: 16 unrolled steps hoisted ~200 shared loads
-                            # into registers (twice the local-memory spills, docs/PERF.md run 5); unrolled by 2
-                            # or 4 it ran within 4 % of this either way (run 8)
+                        for dd in range(DC):  # not unrolled: ptxas unrolls it.  Unrolled here by 4 it ran 172
+                            # against 170 us at 131,072 keys, fully 232 (run 9); K rows padded to 16-byte
+                            # alignment (stride 20) for 128-bit reads: 171 (run 9)
                             kd = ti.Vector([buf[(sr + j * RG) * KS + dd] for j in ti.static(range(RB))])
                             for i in ti.static(range(HB)):
                                 qd = q_sh[(h0 + i) * D + c * DC + dd]
@@ -382,7 +410,7 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
                         part[(h0 + i) * RG + sr] = local
                 ti.simt.block.sync()
                 if tid < G * L2:
-                    h, sub = tid // L2, tid % L2
+                    h, sub = udiv(tid, L2), umod(tid, L2)
                     local = RUNNING_MAX_INIT
                     j = sub
                     while j < RG:
@@ -448,7 +476,7 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
                     part[(h0 + i) * RG + sr] = lsum[i]
             ti.simt.block.sync()
             if tid < G * L2:
-                h, sub = tid // L2, tid % L2
+                h, sub = udiv(tid, L2), umod(tid, L2)
                 total = 0.0
                 j = sub
                 while j < RG:
