@@ -17,11 +17,14 @@ def geometry(n_heads=8, n_kv_heads=2, head_dim=64, window=64, n_layers=4, patter
 
 
 # Geometries the route tests sweep: Glimmer's own group shape (16 query heads per KV head, d 128),
-# a small d 64 one, and d 256 with multi-head (1:1) attention.
+# a small d 64 one, d 256 with multi-head (1:1) attention, and Qwen2.5-7B's 28 heads on 4 KV heads:
+# 7 per group, no power of two, so the GPU producer's tile has idle score threads and its index
+# helpers take their division path instead of shifts and masks.
 GEOMETRIES = {
     "gqa16-d128": dict(n_heads=32, n_kv_heads=2, head_dim=128),
     "gqa4-d64": dict(n_heads=8, n_kv_heads=2, head_dim=64),
     "mha-d256": dict(n_heads=2, n_kv_heads=2, head_dim=256),
+    "gqa7-d128": dict(n_heads=28, n_kv_heads=4, head_dim=128),
 }
 
 DISTRIBUTIONS = ("normal", "peaked", "sink", "large")
