@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -237,7 +238,7 @@ def gpu_layer(base, route, depth, arch, rng, repeats, torch) -> dict:
     st, p = eng.planes[kind].state, eng.position - 1
     k_dev, v_dev = eng._k_cur, eng._v_cur
     profiled = os.environ.get("MUSER_TI_KERNEL_PROFILER") == "1"
-    times = []
+    times, tasks = [], {}
     for _ in range(repeats):
         ti.sync()
         if profiled:  # device time of the launch's tasks (CUDA; Taichi's profiler crashes on Vulkan)
@@ -245,6 +246,8 @@ def gpu_layer(base, route, depth, arch, rng, repeats, torch) -> dict:
             eng._run_producer(producer, reduce, kind, layers, st, p, k_dev, v_dev, eng._out)
             ti.sync()
             times.append(ti.profiler.get_kernel_profiler_total_time())
+            for name, ms in profiled_tasks():
+                tasks.setdefault(name, []).append(ms)
         else:  # wall time of 10 back-to-back launches pairs, host launch cost included
             t0 = time.perf_counter()
             for _ in range(10):
@@ -254,9 +257,25 @@ def gpu_layer(base, route, depth, arch, rng, repeats, torch) -> dict:
     nwg, nsg = eng.split_geometry(depth, 1)
     row = {"what": f"1 layer {route}" + (" (device)" if profiled else " (wall)"), "depth": depth, "visible": depth,
            "ours_ms": statistics.median(times) * 1e3, "workgroups": nwg, "simdgroups": nsg}
+    if tasks:  # where the device time goes: each kernel's tasks (a serial one computes a range-for's bound)
+        row["tasks_ms"] = {name: statistics.median(ms) for name, ms in tasks.items()}
     if torch is not None:
         row["torch_ms"] = torch_sdpa_ms(torch, cfg, [depth], repeats)
     return finish(row, base, [depth])
+
+
+def profiled_tasks() -> list[tuple[str, float]]:
+    """(kernel:task, ms) of every task since the profiler was cleared, named like "producer:range_for"."""
+    from taichi.lang import impl
+
+    prog = impl.get_runtime().prog
+    prog.sync_kernel_profiler()
+    prog.update_kernel_profiler()
+    out = []
+    for rec in prog.get_kernel_profiler_records():
+        m = re.match(r"(\w+?)_c\d+_\d+_kernel_\d+_(\w+)$", rec.name)
+        out.append((f"{m[1]}:{m[2]}" if m else rec.name, rec.kernel_time))
+    return out
 
 
 def torch_sdpa_ms(torch, cfg, visibles, repeats) -> float:

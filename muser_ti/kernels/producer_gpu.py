@@ -59,8 +59,9 @@ from .common import BLOCK_ROWS, RUNNING_MAX_INIT, VISIT_OWNER, f16_plane, f32_3d
 SHARED_BUDGET_BYTES = {"cuda": 48 * 1024, "vulkan": 48 * 1024, "metal": 32 * 1024}  # without opt-in
 GPU_PRODUCER_THREADS = 128  # T: 128 lets ptxas use 255 registers (see above).  One NoPE layer on the H200 at
 #                            131,072 / 32,768 keys, device time: 170 / 74 us at T = 128, 198 / 82 at T = 256
-#                            (cap 128 registers; run 9).  Before udiv/umod: 194-196 / 79-81 at T = 128, 220 / 86
-#                            at T = 256 (run 8); 64 threads ran 371 us at 131,072 (docs/PERF.md)
+#                            (cap 128 registers), 194 / 78 at T = 256 with VH = 2 (run 9).  Before udiv/umod:
+#                            194-196 / 79-81 at T = 128, 220 / 86 at T = 256 (run 8); 64 threads ran 371 us at
+#                            131,072 (docs/PERF.md)
 K_CHUNK_DIMS = 16  # DC: dimensions of K staged per chunk ([R][DC+1] f32 = 8.5 KiB at R = 128)
 MAX_SCORE_HEADS = 4  # HB: 8 x 2 tiles at T = 128 ran 173 vs 170 us (run 9); 8 x 1 at T = 256 ran 275 us
 #                      at 131,072 keys, against 262 for 4 x 2 (run 7)
