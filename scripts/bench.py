@@ -370,7 +370,8 @@ def print_table(rows: list[dict], title: str) -> None:
         t.add_column(name, justify="right")
     for r in rows:
         t.add_row(*[(f"{r[k]:.3g}" if isinstance(r.get(k), float) else str(r.get(k, ""))) for k, _ in cols])
-    Console().print(t)
+    # a log file is not a terminal: rich would fold the table into 80 columns and cut every figure to "0.04…"
+    Console(width=None if sys.stdout.isatty() else 200).print(t)
 
 
 def main(argv=None) -> int:
