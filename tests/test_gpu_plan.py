@@ -1,8 +1,10 @@
 """The GPU producer's static shape and the GPU split geometry: pure arithmetic, checked on every machine."""
 
+import numpy as np
 import pytest
 
-from muser_ti.kernels.producer_gpu import GPU_PRODUCER_THREADS, SHARED_BUDGET_BYTES, gpu_tile_plan, tile_overrides
+from muser_ti.kernels.producer_gpu import (GPU_PRODUCER_THREADS, SHARED_BUDGET_BYTES, gpu_tile_plan, tile_overrides,
+                                           udiv, umod)
 from muser_ti.kernels.splitk import GPU_MAX_WORKGROUPS, GPU_TARGET_WORKGROUPS, gpu_split_geometry, splitk_geometry
 
 GROUPS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64, 128]
@@ -69,6 +71,27 @@ def test_tile_overrides_parse_and_refuse_unknown_knobs():
     for bad in ("X=2", "T=", "T=-4", "T=abc", "T=0", "PF=-1"):
         with pytest.raises(ValueError, match="MUSER_GPU_TILE"):
             tile_overrides(bad)
+
+
+@pytest.mark.parametrize("n", [1, 2, 16, 128, 7, 18, 112])  # powers of two: shift/mask; the rest: C division
+def test_index_helpers_match_floor_division_on_thread_coordinates(arch, n):
+    """udiv/umod stand in for // and % on the producer's non-negative indices (Glimmer's tile uses the
+    powers of two, Qwen2.5-7B's group of 7 the divisions by 112 and 18)."""
+    import taichi as ti
+
+    x = np.arange(0, 70_000, 3, dtype=np.int32)
+    xs, quo, rem = ti.ndarray(ti.i32, x.shape), ti.ndarray(ti.i32, x.shape), ti.ndarray(ti.i32, x.shape)
+    xs.from_numpy(x)
+
+    @ti.kernel
+    def split(xs: ti.types.ndarray(ti.i32, ndim=1), quo: ti.types.ndarray(ti.i32, ndim=1),
+              rem: ti.types.ndarray(ti.i32, ndim=1)):
+        for i in range(xs.shape[0]):
+            quo[i], rem[i] = udiv(xs[i], n), umod(xs[i], n)
+
+    split(xs, quo, rem)
+    np.testing.assert_array_equal(quo.to_numpy(), x // n)
+    np.testing.assert_array_equal(rem.to_numpy(), x % n)
 
 
 @pytest.mark.parametrize("visible", [1, 31, 33, 1000, 2048, 2049, 4097, 32768, 131072])
