@@ -29,7 +29,8 @@ for l in sys.stdin:
     r = json.loads(l)
     print("  %-28s %7d nwg=%-5s ours %8.3f ms  torch %7.4f ms  %6.0f GB/s  floor %.4f ms%s" % (r["what"][:28], r["depth"],
           r.get("workgroups", "-"), r["ours_ms"], r.get("torch_ms", 0), r["ours_gb_s"], r.get("byte_floor_ms", 0),
-          "  device I/O %.3f ms" % r["device_io_ms"] if "device_io_ms" in r else ""))'
+          "  device I/O %.3f ms" % r["device_io_ms"] if "device_io_ms" in r else "") +
+          ("  tasks (us) " + " ".join("%s %.1f" % (k, v * 1e3) for k, v in r["tasks_ms"].items()) if "tasks_ms" in r else ""))'
 }
 if [ "$what" = bench ]; then
   for arch in cuda vulkan; do
