@@ -12,7 +12,6 @@ so no further synchronisation is needed (``from_numpy``/``to_numpy`` add one, an
 cost 0.6-1.1 ms on the H200's Vulkan, docs/PERF.md run 7).
 """
 
-
 import ctypes
 import ctypes.util
 

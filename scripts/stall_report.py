@@ -19,6 +19,13 @@ def rows(path):
     return list(csv.reader(lines))
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
 def stall_reasons(path) -> None:
     table = rows(path)
     if len(table) < 3:
@@ -28,21 +35,11 @@ def stall_reasons(path) -> None:
     found = []
     for name, value in zip(names, values):
         if "issue_stalled" in name and name.endswith(("per_issue_active.ratio", "per_warp_active.pct")):
-            try:
-                found.append((name.endswith(".pct"), float(value.replace(",", "")), name))
-            except ValueError:
-                pass
+            found.append((name.endswith(".pct"), _number(value), name))  # unparsable: 0, not printed
     print("stall reasons (ratio: warps stalled per issued instruction; pct: of warp-active cycles):")
     for _, value, name in sorted(found, reverse=True)[:40]:
         if value > 0:
             print(f"  {value:9.3f}  {name}")
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text.replace(",", ""))
-    except ValueError:
-        return 0.0
 
 
 def sass_lines(path, top: int = 30) -> None:

@@ -163,11 +163,10 @@ def step(args, rows) -> None:
         lambda: (kernel(*a), ti.sync()), args.repeats) * 1e6 for i, (kernel, a) in enumerate(dispatches)}
     row["upload_q_taichi_us"] = median_s(lambda: (eng._q.from_numpy(q), ti.sync()), args.repeats) * 1e6
     row["download_taichi_us"] = median_s(lambda: eng._out.to_numpy(), args.repeats) * 1e6
-    # the engine's own download path (transfer.py: the driver on CUDA, a copy kernel elsewhere)
+    # the engine's own copies (transfer.py, row["transfer"]: the driver on CUDA, a copy kernel elsewhere)
+    row["upload_q_transfer_us"] = median_s(lambda: eng._transfer.upload(eng._q, q), args.repeats) * 1e6
     row["download_transfer_us"] = median_s(lambda: eng._transfer.download(eng._out, q.shape), args.repeats) * 1e6
     if eng._transfer.path == "cuMemcpy":
-        row["upload_q_direct_us"] = median_s(lambda: eng._transfer.upload(eng._q, q), args.repeats) * 1e6
-        row["download_direct_us"] = median_s(lambda: eng._transfer.download(eng._out, q.shape), args.repeats) * 1e6
         eng._transfer._driver = None  # the same step through Taichi's copies
         row["step_taichi_copies_us"] = median_s(one_step, args.repeats, warmup=2) * 1e6
         row["same_output_both_paths"] = bool(np.array_equal(eng._out.to_numpy(), out_fast))

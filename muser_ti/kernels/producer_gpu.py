@@ -306,6 +306,25 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
                         buf[(r_cur - c * VR) * VS + e] = cur[layer, kvh, e]
                         e += T
 
+    @ti.func
+    def stage_chunk(plane: ti.template(), cur: ti.template(), buf: ti.template(), rows_sh: ti.template(), ahead,
+                    layer, slot, kvh, is_k: ti.template(), c, n_chunks, r_cur, count, tid):
+        """Chunk c into buf between two barriers (with PF from ``ahead``, else straight from the plane), the
+        bypass row patched in.  Returns what is in flight after it: with PF, chunk c+1's loads, issued here
+        so that chunk c's FMAs hide them."""
+        ti.simt.block.sync()  # every thread is done reading the previous chunk
+        if ti.static(PF):
+            store_chunk(buf, ahead, is_k, tid, 0, LOADS)
+        else:
+            move_chunk(plane, buf, rows_sh, slot, kvh, is_k, c, tid)
+        patch_current(buf, cur, layer, kvh, is_k, c, r_cur, count, tid)
+        ti.simt.block.sync()
+        nxt = ahead
+        if ti.static(PF):
+            if c + 1 < n_chunks:
+                nxt = load_chunk(plane, rows_sh, slot, kvh, is_k, c + 1, tid, 0, LOADS)
+        return nxt
+
     @ti.kernel
     def producer(
         q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, k_plane: f16_plane, v_plane: f16_plane,
@@ -379,16 +398,8 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
                 if ti.static(PF):
                     ahead = load_chunk(k_plane, rows_sh, slot, kvh, True, 0, tid, 0, LOADS)
                 for c in range(NKC):
-                    ti.simt.block.sync()  # every thread is done reading the previous chunk
-                    if ti.static(PF):
-                        store_chunk(buf, ahead, True, tid, 0, LOADS)
-                    else:
-                        move_chunk(k_plane, buf, rows_sh, slot, kvh, True, c, tid)
-                    patch_current(buf, k_cur, layer, kvh, True, c, r_cur, count, tid)
-                    ti.simt.block.sync()
-                    if ti.static(PF):
-                        if c + 1 < NKC:
-                            ahead = load_chunk(k_plane, rows_sh, slot, kvh, True, c + 1, tid, 0, LOADS)
+                    ahead = stage_chunk(k_plane, k_cur, buf, rows_sh, ahead, layer, slot, kvh, True, c, NKC, r_cur,
+                                        count, tid)
                     if tid < SCORE_THREADS:
                         for dd in range(DC):  # not unrolled: ptxas unrolls it.  Unrolled here by 4 it ran 172
                             # against 170 us at 131,072 keys, fully 232 (run 9); K rows padded to 16-byte
@@ -449,16 +460,8 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
 
                 n_vc = (count + VR - 1) // VR  # V chunks past the tile's last row would only add zeros
                 for c in range(n_vc):
-                    ti.simt.block.sync()
-                    if ti.static(PF):
-                        store_chunk(buf, ahead, False, tid, 0, LOADS)
-                    else:
-                        move_chunk(v_plane, buf, rows_sh, slot, kvh, False, c, tid)
-                    patch_current(buf, v_cur, layer, kvh, False, c, r_cur, count, tid)
-                    ti.simt.block.sync()
-                    if ti.static(PF):
-                        if c + 1 < n_vc:
-                            ahead = load_chunk(v_plane, rows_sh, slot, kvh, False, c + 1, tid, 0, LOADS)
+                    ahead = stage_chunk(v_plane, v_cur, buf, rows_sh, ahead, layer, slot, kvh, False, c, n_vc, r_cur,
+                                        count, tid)
                     if tid < VALUE_THREADS:
                         lr = rs
                         while lr < VR:  # unrolled (VR // RS rows) it ran 2-4 % slower (run 8)

@@ -42,10 +42,11 @@ def splitk_geometry(visible: int) -> tuple[int, int]:
 # that layer with the first kernel).  The floor of 32 per pair that the first GPU kernel kept is gone:
 # a 39-layer SWA launch at 2,048 keys made 2,496 workgroups of 64 rows each, 9.5 waves of mostly-empty
 # 256-row tiles, where 234 workgroups of ~680 rows fill the card once.
-# The tiled producer (producer_gpu.py) holds 2 workgroups per SM (128 threads at 253 registers each; it
-# was 256 threads at 128 registers in run 7), so the target is one wave of them: 132 SMs x 2.  Measured on the H200 (run 7, 256-thread tiles): one
-# NoPE layer at 131,072 / 32,768 keys took 257 / 101 us at 264 against 335 / 132 us at 396 and 273 / 140
-# us at 528 (run 5, 128-thread tiles: 116 against 154 us at 32,768).
+# The tiled producer (producer_gpu.py) holds 2 workgroups per SM (128 threads at 221 registers each; it
+# was 256 threads at 128 registers in run 7), so the target is one wave of them: 132 SMs x 2.  Measured
+# on the H200 (run 7, 256-thread tiles): one NoPE layer at 131,072 / 32,768 keys took 257 / 101 us at 264
+# against 335 / 132 us at 396 and 273 / 140 us at 528 (run 5, 128-thread tiles: 116 against 154 us at
+# 32,768).
 GPU_TARGET_WORKGROUPS = 264
 GPU_MAX_WORKGROUPS = 1024
 

@@ -98,14 +98,13 @@ def build_token_scan(n_heads: int, n_kv: int, head_dim: int):
         @ti.kernel
         def scan(q: f32_3d, k: f32_3d, v: f32_3d, flags: ti.types.ndarray(dtype=ti.i32, ndim=1), stamp: ti.i32):
             for layer, r, d in ti.ndrange(q.shape[0], H + 2 * KV, D):
-                x = 0.0
+                x, kind = 0.0, 0
                 if r < H:
                     x = q[layer, r, d]
                 elif r < H + KV:
-                    x = k[layer, r - H, d]
+                    x, kind = k[layer, r - H, d], 1
                 else:
-                    x = v[layer, r - H - KV, d]
-                kind = 0 if r < H else (1 if r < H + KV else 2)
+                    x, kind = v[layer, r - H - KV, d], 2
                 a = ti.abs(x)
                 if not a <= F32_MAX:
                     ti.atomic_max(flags[kind], stamp)
