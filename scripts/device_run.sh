@@ -12,14 +12,20 @@
 #   ncu    ncu's counters on one NoPE layer at 131,072 keys
 #   stalls ncu's stall reasons for that layer's producer, and its SASS lines by stall samples
 #   hoststep  where a 52-layer step's wall time goes on CUDA and Vulkan; Vulkan tile variants by wall time
+#   trace  a CUDA step's timeline through torch.profiler (kernels, gaps, driver calls) and its Python time
+#   launch what one Taichi dispatch costs the host on CUDA and Vulkan (scripts/tune_gpu.py launch)
+#   hostab steps and one deep layer on this tree and on the tree in $AB_OLD (an older commit), then
+#          launch and trace on this one
 # Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama) and .gl (libvulkan1...).
 set -uo pipefail
 what=${1:-bench}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+if [ ! -d /tmp/site/taichi ]; then  # once per machine: later calls in the same command reuse it
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 bench() {  # name, extra env..., args...
   local name=$1; shift
@@ -137,4 +143,42 @@ if [ "$what" = stalls ]; then  # why warps wait: ncu's stall reasons and the SAS
   "$ncu" -i "$OUT/stalls.ncu-rep" --page source --print-source sass --csv > "$OUT/stalls-sass.csv" 2>&1
   rm -f "$OUT/stalls.ncu-rep"
   python3 scripts/stall_report.py "$OUT/stalls-raw.csv" "$OUT/stalls-sass.csv" | tee "$OUT/stalls.txt"
+fi
+if [ "$what" = trace ]; then  # a step's timeline (torch.profiler / CUPTI) and its Python time, CUDA
+  timeout 200 python3 scripts/tune_gpu.py trace --arch cuda --depths ${TRACE_DEPTHS:-2048,131072} --repeats 10 --layers \
+    --trace-dir "$OUT/traces" --json "$OUT/trace-cuda.json" > "$OUT/trace-cuda.log" 2>&1
+  echo "== trace cuda rc=$?"; grep -E '^\{' "$OUT/trace-cuda.log" | python3 -c '
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l)
+    print("%s %d: wall %.0f us, GPU busy %.0f / span %.0f us, first kernel +%.0f us, %d kernels" % (r["way"], r["depth"],
+          r["wall_us"], r["gpu_busy_us"], r["gpu_span_us"], r["first_kernel_after_us"], r["kernel_count"]))
+    print("   kernels:", ", ".join("%s %.1f" % (k[:40], v) for k, v in r["kernel_us"].items()))
+    print("   calls:", ", ".join("%s x%d %.0f" % (k, v["count"], v["us"]) for k, v in r["host_calls"].items()))
+    print("   python:", ", ".join("%s %.0f/%.0f" % (x["fn"], x["own_us"], x["cum_us"]) for x in r["python_top"][:8]))'
+  gzip -9 "$OUT"/traces/*.json
+fi
+if [ "$what" = launch ]; then
+  for arch in cuda vulkan; do
+    timeout 100 python3 scripts/tune_gpu.py launch --arch $arch --json "$OUT/launch-$arch.json" > "$OUT/launch-$arch.log" 2>&1
+    echo "== launch $arch rc=$?"; grep -E '^\{' "$OUT/launch-$arch.log" | cut -c1-260
+  done
+fi
+if [ "$what" = hostab ]; then  # AB_OLD=build/ab_old: `git archive <commit> muser_ti scripts configs pyproject.toml`
+  for tree in "$AB_OLD" .; do
+    tag=$([ "$tree" = . ] && echo new || echo old)
+    (cd "$tree" && export PYTHONPATH=/tmp/site:$PWD &&
+     bench $tag-cuda-steps timeout 90 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,131072 \
+       --repeats 15 --json "$OUT/$tag-cuda-steps.json" &&
+     bench $tag-cuda-layers MUSER_TI_KERNEL_PROFILER=1 timeout 60 python3 scripts/bench.py --arch cuda --mode layers \
+       --layer-depths 2048,131072 --routes interleaved --repeats 15 --json "$OUT/$tag-cuda-layers.json")
+  done
+  bash "$0" launch
+  bash "$0" trace
+  for tree in . "$AB_OLD"; do
+    tag=$([ "$tree" = . ] && echo new || echo old)
+    (cd "$tree" && export PYTHONPATH=/tmp/site:$PWD &&
+     bench $tag-vulkan-steps timeout 75 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,131072 \
+       --repeats 15 --json "$OUT/$tag-vulkan-steps.json")
+  done
 fi

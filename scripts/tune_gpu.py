@@ -3,6 +3,8 @@
 
     python scripts/tune_gpu.py tiles --arch cuda --depths 2048,131072 --variants ";T=256,HB=4;T=256,HB=4,VH=2"
     python scripts/tune_gpu.py step --arch cuda --depth 2048
+    python scripts/tune_gpu.py trace --depths 2048,131072 --trace-dir out/traces
+    python scripts/tune_gpu.py launch --arch cuda
 
 tiles: one NoPE layer (interleaved producer + reducer) per depth, prefilled once; every tile variant
 (a MUSER_GPU_TILE string, "" = the default plan) is built, checked against the float64 reference on
@@ -13,10 +15,18 @@ step: where a whole 52-layer step's wall time goes at one depth: input checks, t
 replayed graph alone, the download, against the full step, with the CUDA driver copies and with
 Taichi's from_numpy/to_numpy (transfer.py).
 
+trace (CUDA, needs torch): the step's timeline from CUPTI through torch.profiler, both ways in (numpy
+through step(), device arrays through step_device()): per step its wall time, the time the GPU ran
+kernels, the idle gaps between them, each kernel's device time, and the host's driver calls by name.
+Taichi launches through the driver API on the primary context, so CUPTI sees its kernels and calls.
+
+launch: what one Taichi dispatch costs the host, apart from any kernel's work: graphs of 1 and 8
+dispatches of a one-thread kernel with 2, 10 scalar or 7 array arguments, timed without a sync (the
+host's issue time) and with one; and the same kernels called from Python.
+
 Every figure is a median; rows are printed as JSON lines and written to --json.
 """
 
-from __future__ import annotations
 
 import argparse
 import json
@@ -129,7 +139,7 @@ def step(args, rows) -> None:
     p = eng.position
     recorded = []
     replay = eng._replay
-    eng._replay = lambda d: (recorded.append(list(d)), replay(d))[1]
+    eng._replay = lambda d, external=(): (recorded.append(list(d)), replay(d, external))[1]
 
     def one_step():
         if eng.position > p:
@@ -174,22 +184,235 @@ def step(args, rows) -> None:
     emit(row, rows)
 
 
+def _intervals_union(spans: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) spans (us)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarize_trace(events: list[dict], n_steps: int) -> dict:
+    """Per-step medians from a chrome trace's events: each "step" annotation's wall, the kernels that
+    ran inside it (by name), GPU busy time (union of kernel spans), and host driver/runtime calls."""
+    steps = sorted((e for e in events if e.get("cat") == "user_annotation" and e.get("name") == "step"),
+                   key=lambda e: e["ts"])
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    calls = [e for e in events if e.get("cat") in ("cuda_driver", "cuda_runtime")]
+    per_step = []
+    for i, s in enumerate(steps):
+        t0 = s["ts"]
+        t1 = steps[i + 1]["ts"] if i + 1 < len(steps) else float("inf")  # kernels may finish after the host span
+        ks = [k for k in kernels if t0 <= k["ts"] < t1]
+        cs = [c for c in calls if t0 <= c["ts"] < t0 + s["dur"]]
+        by_kernel: dict = {}
+        for k in ks:
+            by_kernel.setdefault(k["name"], []).append(k["dur"])
+        by_call: dict = {}
+        for c in cs:
+            by_call.setdefault(c["name"], []).append(c["dur"])
+        spans = [(k["ts"], k["ts"] + k["dur"]) for k in ks]
+        busy = _intervals_union(spans)
+        first = min((a for a, _ in spans), default=t0)
+        last = max((b for _, b in spans), default=t0)
+        per_step.append({
+            "wall_us": s["dur"],
+            "gpu_busy_us": busy,
+            "gpu_span_us": last - first,  # first kernel start to last kernel end
+            "first_kernel_after_us": first - t0,
+            "last_kernel_end_after_host_us": last - (t0 + s["dur"]),
+            "kernels": {n: sum(d) for n, d in by_kernel.items()},
+            "kernel_count": len(ks),
+            "calls": {n: (len(d), sum(d)) for n, d in by_call.items()},
+        })
+    per_step = per_step[-n_steps:]
+    med = statistics.median
+
+    def med_of(key):
+        return med([p[key] for p in per_step])
+
+    names = sorted({n for p in per_step for n in p["kernels"]})
+    call_names = sorted({n for p in per_step for n in p["calls"]})
+    return {
+        "steps": len(per_step),
+        "wall_us": med_of("wall_us"),
+        "gpu_busy_us": med_of("gpu_busy_us"),
+        "gpu_span_us": med_of("gpu_span_us"),
+        "gpu_idle_in_span_us": med([p["gpu_span_us"] - p["gpu_busy_us"] for p in per_step]),
+        "first_kernel_after_us": med_of("first_kernel_after_us"),
+        "last_kernel_end_after_host_us": med_of("last_kernel_end_after_host_us"),
+        "kernel_count": med_of("kernel_count"),
+        "kernel_us": {n: med([p["kernels"].get(n, 0.0) for p in per_step]) for n in names},
+        "host_calls": {n: {"count": med([p["calls"].get(n, (0, 0))[0] for p in per_step]),
+                           "us": med([p["calls"].get(n, (0, 0.0))[1] for p in per_step])} for n in call_names},
+    }
+
+
+def trace(args, rows) -> None:
+    """The step's timeline through torch.profiler (CUPTI): see the module docstring."""
+    import taichi as ti
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cfg = mt.load_config(args.config)
+    rng = np.random.default_rng(args.seed)
+    torch.zeros(1, device="cuda")  # CUDA up before the profiler starts
+    for depth in args.depths:
+        eng = mt.Engine(cfg, arch=args.arch, pinned="off")
+        prefill(eng, depth - 1, rng)
+        q, k, v = random_token(cfg, rng)
+        dev = []
+        for a in (q, k, v):
+            dev.append(ti.ndarray(ti.f32, a.shape))
+            dev[-1].from_numpy(a)
+        out = ti.ndarray(ti.f32, q.shape)
+        p = eng.position
+        for way, call in (("step", lambda: eng.step(q, k, v)),
+                          ("step_device", lambda: (eng.step_device(*dev, out), ti.sync()))):
+            for _ in range(3):  # compile and warm, untimed
+                if eng.position > p:
+                    eng.rewind(p)
+                call()
+            ti.sync()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.repeats):
+                    if eng.position > p:
+                        eng.rewind(p)
+                    ti.sync()
+                    with record_function("step"):
+                        call()
+                ti.sync()
+            path = Path(args.trace_dir) / f"trace-{eng.arch}-{depth}-{way}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(path))
+            events = json.loads(path.read_text())["traceEvents"]
+            row = {"what": "step trace", "arch": eng.arch, "depth": depth, "way": way, "trace": path.name,
+                   **summarize_trace(events, args.repeats)}
+            row["python_top"] = python_profile(eng, p, call, args.repeats)
+            emit(row, rows)
+        if args.layers:
+            trace_layer(args, rows, base_cfg=cfg, depth=depth, rng=rng)
+
+
+def trace_layer(args, rows, base_cfg, depth: int, rng) -> None:
+    """One NoPE layer's producer + reducer under CUPTI: their device time without Taichi's kernel
+    profiler, whose per-task timing adds several microseconds to each task (docs/PERF.md run 10)."""
+    import taichi as ti
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cfg = layer_geometry(base_cfg, "interleaved", depth)
+    eng = mt.Engine(cfg, arch=args.arch, force="interleaved", pinned="off")
+    prefill(eng, depth - 1, rng)
+    eng.step(*random_token(cfg, rng))
+    st, p, layers = eng.planes["nope"].state, eng.position - 1, tuple(cfg.nope_layers)
+
+    def launch():
+        eng._run_producer(eng._interleaved, eng._reduce_v2, "nope", layers, st, p, eng._k_cur, eng._v_cur, eng._out)
+
+    launch()
+    ti.sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.repeats):
+            ti.sync()
+            with record_function("step"):
+                launch()
+                ti.sync()
+    path = Path(args.trace_dir) / f"trace-{eng.arch}-{depth}-layer.json"
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    emit({"what": "layer trace", "arch": eng.arch, "depth": depth, "way": "one NoPE layer", "trace": path.name,
+          "workgroups": eng.split_geometry(depth, 1)[0], **summarize_trace(events, args.repeats), "python_top": []}, rows)
+
+
+def python_profile(eng, p: int, call, repeats: int, top: int = 12) -> list:
+    """The host's Python time in ``call`` by function (cProfile, own time), the largest first."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(repeats):
+        if eng.position > p:
+            eng.rewind(p)
+        prof.enable()
+        call()
+        prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(((v[2] / repeats * 1e6, v[3] / repeats * 1e6, f"{Path(k[0]).name}:{k[1]}:{k[2]}")
+                   for k, v in stats.items()), reverse=True)[:top]
+    return [{"fn": name, "own_us": round(own, 1), "cum_us": round(cum, 1)} for own, cum, name in rows]
+
+
+def launch(args, rows) -> None:
+    """Host cost per dispatch: see the module docstring."""
+    import taichi as ti
+
+    mt.Engine(mt.load_config(args.config), arch=args.arch, pinned="off")  # Taichi up on the arch
+    a1, a3 = ti.types.ndarray(dtype=ti.f32, ndim=1), ti.types.ndarray(dtype=ti.f32, ndim=3)
+
+    @ti.kernel
+    def two(x: a1, n: ti.i32):
+        for _ in range(1):
+            x[0] = n
+
+    @ti.kernel
+    def scalars(x: a1, n: ti.i32, b: ti.i32, c: ti.i32, d: ti.i32, e: ti.i32, f: ti.i32, g: ti.i32, h: ti.i32,
+                s: ti.f32):
+        for _ in range(1):
+            x[0] = n + b + c + d + e + f + g + h + s
+
+    @ti.kernel
+    def arrays(x: a1, y: a3, z: a3, w: a3, u: a3, v: a1, n: ti.i32):
+        for _ in range(1):
+            x[0] = y[0, 0, 0] + z[0, 0, 0] + w[0, 0, 0] + u[0, 0, 0] + v[0] + n
+
+    x, y = ti.ndarray(ti.f32, (4,)), ti.ndarray(ti.f32, (2, 2, 2))
+    cases = {"2 args": (two, [x, 1]), "10 scalar args": (scalars, [x, 1, 2, 3, 4, 5, 6, 7, 8, 1.0]),
+             "7 array args": (arrays, [x, y, y, y, y, x, 1])}
+    for label, (kernel, kargs) in cases.items():
+        for n in (1, 8):
+            builder = ti.graph.GraphBuilder()
+            symbols = [mt.Engine._graph_arg(f"a{j}", a) for j, a in enumerate(kargs)]
+            for _ in range(n):
+                builder.dispatch(kernel, *symbols)
+            graph = builder.compile()
+            values = {f"a{j}": a for j, a in enumerate(kargs)}
+            graph.run(values)
+            ti.sync()
+            issue = median_s(lambda: graph.run(values), args.repeats * 4, warmup=3)
+            ti.sync()
+            synced = median_s(lambda: (graph.run(values), ti.sync()), args.repeats * 4, warmup=3)
+            emit({"what": "launch cost", "arch": args.arch, "kernel": label, "dispatches": n,
+                  "graph_issue_us": issue * 1e6, "graph_issue_per_dispatch_us": issue / n * 1e6,
+                  "graph_synced_us": synced * 1e6}, rows)
+        kernel(*kargs)
+        ti.sync()
+        direct = median_s(lambda: kernel(*kargs), args.repeats * 4, warmup=3)
+        ti.sync()
+        emit({"what": "launch cost", "arch": args.arch, "kernel": label, "python_call_issue_us": direct * 1e6}, rows)
+    emit({"what": "launch cost", "arch": args.arch, "idle_sync_us": median_s(ti.sync, args.repeats * 4) * 1e6}, rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("tiles", "step"))
+    ap.add_argument("mode", choices=("tiles", "step", "trace", "launch"))
     ap.add_argument("--arch", default="cuda")
     ap.add_argument("--config", default="glimmer.yaml")
-    ap.add_argument("--depths", default="2048,131072", help="tiles: comma-separated key counts")
+    ap.add_argument("--depths", default="2048,131072", help="tiles, trace: comma-separated key counts")
     ap.add_argument("--depth", type=int, default=2048, help="step: the depth")
     ap.add_argument("--variants", default="", help='tiles: MUSER_GPU_TILE strings separated by ";" ("" = default)')
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace-dir", default="out/traces", help="trace: where the chrome traces go")
+    ap.add_argument("--layers", action="store_true", help="trace: also one NoPE layer's kernels per depth")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     args.depths = [int(x) for x in args.depths.split(",") if x]
     args.variants = args.variants.split(";")
     rows: list = []
-    (tiles if args.mode == "tiles" else step)(args, rows)
+    {"tiles": tiles, "step": step, "trace": trace, "launch": launch}[args.mode](args, rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=1))
