@@ -139,7 +139,6 @@ class Engine:
         self._token_flags = ti.ndarray(ti.i32, (TOKEN_FLAGS,))
         self._token_flags.fill(0)
         self._scans = 0  # the stamp of the last scan (build_token_scan says why)
-        self._external: set[int] = set()
         self._q, self._k_cur, self._v_cur = (ti.ndarray(ti.f32, self._token_shape[n]) for n in ("q", "k", "v"))
         self._transfer = Transfer()  # per-token copies: the CUDA driver's memcpy where it can (transfer.py)
         # Where host copies go through Taichi (Vulkan, Metal), from_numpy synchronises the device after its
@@ -338,7 +337,10 @@ class Engine:
         """Refuse a device token step() would refuse: flags from one kernel, then, only when one is set,
         the host check on a copy, which names the first bad value."""
         self._scans += 1
-        self._scan(q, k, v, self._token_flags, self._scans)
+        if self._gpu:  # through a one-dispatch graph: Taichi's Python launch path costs ~100 us more (PERF.md)
+            self._replay([(self._scan, (q, k, v, self._token_flags, self._scans))], external=(q, k, v))
+        else:
+            self._scan(q, k, v, self._token_flags, self._scans)
         flags = self._transfer.download(self._token_flags, (TOKEN_FLAGS,)) == self._scans
         if flags.any():
             self._check_token(*self._download_token(q, k, v))
@@ -388,9 +390,7 @@ class Engine:
         out = None
         if device is not None:
             self._q_dev, k_dev, v_dev, out_dev = device
-            self._external = {id(a) for a in device}  # graph arguments keyed by shape, not identity
         else:
-            self._external = set()
             if self._unpack is not None:
                 # launched now, ahead of the step's graph on the same queue (a graph binds device arrays only)
                 self.launches_last_step += 1
@@ -438,7 +438,7 @@ class Engine:
             self._run_producer(self._interleaved, self._reduce_v2, NOPE, tuple(by_route[ladder.INTERLEAVED]),
                                new_states[NOPE], p, k_dev, v_dev, out_dev)
         if self._recorded is not None:
-            self._replay(self._recorded)
+            self._replay(self._recorded, external=device or ())
             self._recorded = None
         for kind, st in new_states.items():
             self._set_state(kind, st)
@@ -640,30 +640,44 @@ class Engine:
         else:
             kernel(*args)
 
-    def _replay(self, dispatches) -> None:
-        """Run a step's dispatch list as a compiled ti.graph: one host call instead of a Python launch
-        per kernel (~60 us each on CUDA).  The graph is keyed by the kernels and the arrays they bind;
+    def _replay(self, dispatches, external=()) -> None:
+        """Run a list of dispatches as a compiled ti.graph: one host call instead of a Python launch per
+        kernel (~60 us each on CUDA).  The graph is keyed by the kernels and the arrays they bind;
         scalars (position, origins, split geometry) are graph arguments, so one graph serves every token
-        until a plane is reallocated or the route mix changes."""
-        key, values = [], {}
+        until a plane is reallocated or the route mix changes.  ``external`` arrays (step_device's) may
+        change every token: they are keyed by shape, not identity.
+
+        An array bound by several dispatches is one graph argument: Taichi converts every argument of
+        the run's dict on every run, and a step passes the same q, k, v, planes and layer lists to
+        several kernels."""
+        caller = {id(a) for a in external}
+        key, values, names = [], {}, {}
         for i, (kernel, args) in enumerate(dispatches):
             sig = []
             for j, a in enumerate(args):
-                name = f"d{i}a{j}"
-                values[name] = a
-                if not isinstance(a, ti.Ndarray):
-                    sig.append(type(a).__name__)
-                elif id(a) in self._external:  # the caller's arrays (step_device) may change every token
-                    sig.append(("caller", tuple(a.shape)))
+                if isinstance(a, ti.Ndarray):
+                    name = names.get(id(a))
+                    if name is None:
+                        name = names[id(a)] = f"n{len(names)}"
+                        values[name] = a
+                    sig.append(("caller", name, tuple(a.shape)) if id(a) in caller else (name, id(a)))
                 else:
-                    sig.append(id(a))
+                    values[f"d{i}a{j}"] = a
+                    sig.append(type(a).__name__)
             key.append((id(kernel), tuple(sig)))
         key = tuple(key)
         graph = self._graphs.get(key)
         if graph is None:
             builder = ti.graph.GraphBuilder()
+            symbols: dict[str, object] = {}
             for i, (kernel, args) in enumerate(dispatches):
-                builder.dispatch(kernel, *[self._graph_arg(f"d{i}a{j}", a) for j, a in enumerate(args)])
+                bound = []
+                for j, a in enumerate(args):
+                    name = names[id(a)] if isinstance(a, ti.Ndarray) else f"d{i}a{j}"
+                    if name not in symbols:
+                        symbols[name] = self._graph_arg(name, a)
+                    bound.append(symbols[name])
+                builder.dispatch(kernel, *bound)
             graph = self._graphs[key] = builder.compile()
         # arrays bound at build time are part of the key; pass them again (graphs take them per run)
         graph.run(values)
