@@ -100,6 +100,36 @@ def test_bad_device_token_is_refused_as_step_refuses_it(arch, bad, fragment):
     assert s.eng.position == pos + 1
 
 
+@pytest.mark.parametrize("prefilled, grows", [(64, True), (65, False)])
+def test_bad_device_token_leaves_the_cache_whether_or_not_the_step_grows_a_plane(arch, prefilled, grows):
+    """On a GPU the scan runs inside the step's graph and the plane writes ask its flags; a step that grows
+    the NoPE plane (a copy the flags cannot gate) scans first instead.  Both refuse a bad token with the
+    planes, their capacity and the position unchanged, and then take the token made good."""
+    cfg = geometry(window=64, **GEOMETRIES["gqa4-d64"])
+    s = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=9)
+    s.prefill(prefilled)
+    nope = s.eng.planes["nope"]
+    assert (nope.check_append(prefilled).capacity != nope.state.capacity) == grows
+    before, pos = s.eng.planes_snapshot(), s.eng.position
+    q, k, v = s.token()
+    k[3, 1, 5] = np.nan  # layer 3 is the NoPE layer: its row is the producer's fused store
+    v[0, 0, 9] = 7e4  # layer 0 is SWA: its row is store_token's
+    out = ti.ndarray(ti.f32, q.shape)
+    with pytest.raises(EngineError, match="k: non-finite value nan at layer 3, kv head 1, d 5"):
+        s.eng.step_device(*device_arrays(q, k, v), out)
+    after = s.eng.planes_snapshot()
+    for kind in before:
+        assert before[kind][2] == after[kind][2]
+        np.testing.assert_array_equal(before[kind][0], after[kind][0])
+        np.testing.assert_array_equal(before[kind][1], after[kind][1])
+    assert s.eng.position == pos
+    k[3, 1, 5], v[0, 0, 9] = 0.5, -0.5
+    s.eng.step_device(*device_arrays(q, k, v), out)
+    s.history_k.append(k)
+    s.check(out.to_numpy(), s.eng.reference(q, k, v))
+    assert s.eng.position == pos + 1 and (s.eng.planes["nope"].state.capacity > before["nope"][2].capacity) == grows
+
+
 def test_step_device_refuses_what_is_not_a_float32_ndarray_of_the_shape(arch):
     cfg = geometry(window=64, **GEOMETRIES["gqa4-d64"])
     eng = mt.Engine(cfg, arch=arch, pinned="off")
