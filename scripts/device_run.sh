@@ -14,8 +14,8 @@
 #   hoststep  where a 52-layer step's wall time goes on CUDA and Vulkan; Vulkan tile variants by wall time
 #   trace  a CUDA step's timeline through torch.profiler (kernels, gaps, driver calls) and its Python time
 #   launch what one Taichi dispatch costs the host on CUDA and Vulkan (scripts/tune_gpu.py launch)
-#   hostab steps and one deep layer on this tree and on the tree in $AB_OLD (an older commit), then
-#          launch and trace on this one
+#   hostab steps and one deep layer on this tree and on the tree in $AB_OLD (an older commit), the
+#          trace on this one, then Vulkan steps on both
 # Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama) and .gl (libvulkan1...).
 set -uo pipefail
 what=${1:-bench}
@@ -173,7 +173,6 @@ if [ "$what" = hostab ]; then  # AB_OLD=build/ab_old: `git archive <commit> muse
      bench $tag-cuda-layers MUSER_TI_KERNEL_PROFILER=1 timeout 60 python3 scripts/bench.py --arch cuda --mode layers \
        --layer-depths 2048,131072 --routes interleaved --repeats 15 --json "$OUT/$tag-cuda-layers.json")
   done
-  bash "$0" launch
   bash "$0" trace
   for tree in . "$AB_OLD"; do
     tag=$([ "$tree" = . ] && echo new || echo old)
