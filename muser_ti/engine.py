@@ -18,10 +18,10 @@ import taichi as ti
 
 from . import backend, ladder, llama_rung, plane_mirror
 from .config import NOPE, SWA, Geometry
-from .kernels.common import HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_FLAGS, TOKEN_MAJOR, UNSCANNED, on_gpu
+from .kernels.common import HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, on_gpu
 from .kernels.interleaved import build_interleaved
 from .kernels.splitk import build_splitk, gpu_split_geometry, splitk_geometry
-from .kernels.stores import build_stores, build_token_scan, build_unpack
+from .kernels.stores import TOKEN_FLAGS, build_stores, build_token_scan, build_unpack
 from .planes import PlaneError, PlaneSet, PlaneState, plane_shape, ring_rows_to_write, visible_span, window_of
 from .reference import attend
 from .transfer import Transfer
@@ -139,7 +139,6 @@ class Engine:
         self._token_flags = ti.ndarray(ti.i32, (TOKEN_FLAGS,))
         self._token_flags.fill(0)
         self._scans = 0  # the stamp of the last scan (build_token_scan says why)
-        self._gate = UNSCANNED  # the scan stamp the plane writes of the step being recorded ask (_commit_step)
         self._q, self._k_cur, self._v_cur = (ti.ndarray(ti.f32, self._token_shape[n]) for n in ("q", "k", "v"))
         self._transfer = Transfer()  # per-token copies: the CUDA driver's memcpy where it can (transfer.py)
         # Where host copies go through Taichi (Vulkan, Metal), from_numpy synchronises the device after its
@@ -302,17 +301,12 @@ class Engine:
 
     def step_device(self, q, k, v, out):
         """Attend one token with the activations on the device: q, k, v and out are Taichi float32
-        ndarrays of step()'s shapes; the output is written into ``out``, which is returned once the
-        step is done on the device.
+        ndarrays of step()'s shapes; the output is written into ``out``, which is returned.
 
         Nothing crosses to the host but a few flags: one kernel scans q, k and v for non-finite values
-        and for k/v outside the f16 planes' range, so bad input is refused as step() refuses it (the
-        same messages) with the cache unchanged.  On a GPU the scan is the first kernel of the step's
-        graph and every kernel that writes a plane reads its flags first, so no round trip to the host
-        sits between the scan and the step; the flags are read after it, and a refused token leaves
-        the planes and the position as they were (``out`` then holds no result).  A step that grows a
-        plane, and one that needs the activations on the host (a pinned llama.cpp route, mirror planes),
-        reads the flags before anything is written instead.
+        and for k/v outside the f16 planes' range, and its flags are read before anything is written, so
+        bad input is refused as step() refuses it (the same messages) with the cache unchanged.  Steps
+        that need the activations on the host (a pinned llama.cpp route, mirror planes) copy them there.
         """
         self._check_alive()
         for name, a in (("q", q), ("k", k), ("v", v), ("out", out)):
@@ -321,19 +315,9 @@ class Engine:
                 got = (f"{a.dtype} ndarray of shape {tuple(a.shape)}" if isinstance(a, ti.Ndarray)
                        else type(a).__name__)
                 raise EngineError(f"step_device {name}: expected a Taichi float32 ndarray of shape {shape}, got {got}")
-        try:
-            p, new_states, routes = self._plan_step()
-        except EngineError:
-            self._scan_device_token(q, k, v)  # a bad token is named before a full cache, as step() does
-            raise
-        on_host = self.mirror is not None or any(r in ladder.PINNED_ROUTES for r in routes)
-        grows = any(st.capacity != self.planes[kind].state.capacity for kind, st in new_states.items())
-        if self._gpu and not on_host and not grows:
-            self._scans += 1
-            self._commit_step(p, new_states, routes, None, None, None, device=(q, k, v, out), gate=self._scans)
-            return out
         self._scan_device_token(q, k, v)
-        if on_host:
+        p, new_states, routes = self._plan_step()
+        if self.mirror is not None or any(r in ladder.PINNED_ROUTES for r in routes):
             host = self._commit_step(p, new_states, routes, *self._download_token(q, k, v))
             self._transfer.upload(out, host)
         else:
@@ -350,17 +334,14 @@ class Engine:
         return q, k, v
 
     def _scan_device_token(self, q, k, v) -> None:
-        """Refuse a device token step() would refuse, before the step: flags from one kernel, then, only
-        when one is set, the host check on a copy, which names the first bad value."""
+        """Refuse a device token step() would refuse: flags from one kernel, then, only when one is set,
+        the host check on a copy, which names the first bad value."""
         self._scans += 1
         if self._gpu:  # through a one-dispatch graph: Taichi's Python launch path costs ~100 us more (PERF.md)
             self._replay([(self._scan, (q, k, v, self._token_flags, self._scans))], external=(q, k, v))
         else:
             self._scan(q, k, v, self._token_flags, self._scans)
-        self._refuse_if_flagged(q, k, v, self._scans)
-
-    def _refuse_if_flagged(self, q, k, v, stamp: int) -> None:
-        flags = self._transfer.download(self._token_flags, (TOKEN_FLAGS,)) == stamp
+        flags = self._transfer.download(self._token_flags, (TOKEN_FLAGS,)) == self._scans
         if flags.any():
             self._check_token(*self._download_token(q, k, v))
             raise EngineError(f"step_device: the device scan flagged the token ({flags.tolist()}) but its host "
@@ -393,19 +374,12 @@ class Engine:
                 f"loaded: {self.pinned_description}")
         return p, new_states, routes
 
-    def _commit_step(self, p, new_states, routes, q, k, v, device=None, gate: int = UNSCANNED):
+    def _commit_step(self, p, new_states, routes, q, k, v, device=None):
         """Write and attend the accepted token.  q, k, v: checked host arrays; or device = (q, k, v, out)
-        ndarrays, checked on the device, with out receiving the result (then nothing is returned).
-
-        gate: the stamp of a device scan that runs first in the step's graph (step_device on a GPU); the
-        plane writes ask its flags (common.token_accepted), and a flagged token is refused after the
-        graph, before any host state changes.  UNSCANNED: the token was checked already."""
-        # ---- commit: from here on the token is accepted (or, with a gate, the planes refuse it) ----
+        ndarrays, checked on the device, with out receiving the result (then nothing is returned)."""
+        # ---- commit: from here on the token is accepted ----
         self.launches_last_step = 0
         self._recorded = [] if self._gpu else None  # GPU: replay the step's dispatches as one ti.graph
-        self._gate = gate
-        if gate != UNSCANNED:
-            self._launch(self._scan, *device[:3], self._token_flags, gate)
         for kind, st in new_states.items():
             self._ensure_capacity(kind, st.capacity)
         if self.mirror is not None:
@@ -439,8 +413,8 @@ class Engine:
             st = new_states[SWA]
             grp = self._group(self.planes[SWA].layers)
             # kv_store_f16: every SWA layer stores first; splitk reads the row back from the plane.
-            self._launch(self._stores[SWA].store_token, k_dev, v_dev, self._k[SWA], self._v[SWA], grp.layers_dev,
-                         grp.slots_dev, len(grp.layers), st.physical(p), self._token_flags, gate)
+            self._launch(self._stores[SWA].store_token, k_dev, v_dev, self._k[SWA], self._v[SWA], grp.layers_dev, grp.slots_dev,
+                                          len(grp.layers), st.physical(p))
         if self._serving is not None:
             # llama's cell order is kept up to date on every token, whichever route runs, so the
             # pinned kernel finds the cache llama.cpp would have.
@@ -455,7 +429,7 @@ class Engine:
             st = new_states[NOPE]
             # kv_store_batch_f16, then the pinned kernel reads the head-major plane (store first, no bypass)
             self._launch(self._stores[NOPE].store_token, k_dev, v_dev, self._k[NOPE], self._v[NOPE], grp.layers_dev,
-                         grp.slots_dev, len(layers), st.physical(p), self._token_flags, gate)
+                         grp.slots_dev, len(layers), st.physical(p))
             self._run_llama(NOPE, layers, st, p, q, vec_out)
         if ladder.SPLITK in by_route:
             self._run_producer(self._splitk, self._reduce_f32, SWA, tuple(by_route[ladder.SPLITK]),
@@ -466,9 +440,6 @@ class Engine:
         if self._recorded is not None:
             self._replay(self._recorded, external=device or ())
             self._recorded = None
-        self._gate = UNSCANNED
-        if gate != UNSCANNED:
-            self._refuse_if_flagged(*device[:3], gate)
         for kind, st in new_states.items():
             self._set_state(kind, st)
         self.position = p + 1
@@ -598,8 +569,7 @@ class Engine:
         partials = self._partials_for(len(layers), nwg)
         self._launch(producer, self._q_dev, k_dev, v_dev, self._k[kind], self._v[kind], partials, self._no_visits,
                  grp.layers_dev, grp.slots_dev, len(layers), p, window_of(self.cfg, kind), st.capacity,
-                 st.origin_logical, st.origin_physical, nwg, nsg, self.cfg.attention_scale, self._token_flags,
-                 self._gate)
+                 st.origin_logical, st.origin_physical, nwg, nsg, self.cfg.attention_scale)
         self._launch(reduce, partials, out_dev, grp.layers_dev, len(layers), nwg)
 
     def _host_plane(self, kind: str) -> tuple[np.ndarray, np.ndarray]:

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import taichi as ti
 
-from muser_ti.kernels.common import TOKEN_FLAGS, UNSCANNED, VISIT_OWNER, on_gpu
+from muser_ti.kernels.common import on_gpu
 from muser_ti.kernels.interleaved import build_interleaved
+from muser_ti.kernels.common import VISIT_OWNER
 from muser_ti.kernels.splitk import block_owner, build_splitk, splitk_geometry
 
 
@@ -59,9 +60,8 @@ def run_recording(family, visible, nwg, nsg):
     blocks = (visible + 31) // 32
     visits = np.zeros((1, blocks), np.int32)
     layers = np.zeros(1, np.int32)
-    flags = np.zeros(TOKEN_FLAGS, np.int32)  # no scan: stamp UNSCANNED, so the fused store writes
     args = [q, kc, kc.copy(), kp, vp, partials, visits, layers, layers, 1, visible - 1,
-            window, capacity, 0, 0, nwg, nsg, 0.125, flags, UNSCANNED]
+            window, capacity, 0, 0, nwg, nsg, 0.125]
     if gpu:  # GPU kernels take device arrays
         args = [_dev(a) if isinstance(a, np.ndarray) else a for a in args]
         producer(*args)

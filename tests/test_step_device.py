@@ -102,9 +102,9 @@ def test_bad_device_token_is_refused_as_step_refuses_it(arch, bad, fragment):
 
 @pytest.mark.parametrize("prefilled, grows", [(64, True), (65, False)])
 def test_bad_device_token_leaves_the_cache_whether_or_not_the_step_grows_a_plane(arch, prefilled, grows):
-    """On a GPU the scan runs inside the step's graph and the plane writes ask its flags; a step that grows
-    the NoPE plane (a copy the flags cannot gate) scans first instead.  Both refuse a bad token with the
-    planes, their capacity and the position unchanged, and then take the token made good."""
+    """A bad token is refused with the planes, their capacity and the position unchanged, on a step that
+    would grow the NoPE plane as on one that would not; the token made good then goes through.  (Both
+    rows are bad: the NoPE row is the producer's fused store, the SWA row store_token's.)"""
     cfg = geometry(window=64, **GEOMETRIES["gqa4-d64"])
     s = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=9)
     s.prefill(prefilled)
@@ -112,8 +112,8 @@ def test_bad_device_token_leaves_the_cache_whether_or_not_the_step_grows_a_plane
     assert (nope.check_append(prefilled).capacity != nope.state.capacity) == grows
     before, pos = s.eng.planes_snapshot(), s.eng.position
     q, k, v = s.token()
-    k[3, 1, 5] = np.nan  # layer 3 is the NoPE layer: its row is the producer's fused store
-    v[0, 0, 9] = 7e4  # layer 0 is SWA: its row is store_token's
+    k[3, 1, 5] = np.nan  # layer 3 is the NoPE layer
+    v[0, 0, 9] = 7e4  # layer 0 is SWA
     out = ti.ndarray(ti.f32, q.shape)
     with pytest.raises(EngineError, match="k: non-finite value nan at layer 3, kv head 1, d 5"):
         s.eng.step_device(*device_arrays(q, k, v), out)

@@ -15,26 +15,12 @@ MAX_WORKGROUPS = 32  # see splitk.MAX_DECODE_SPLIT_WORKGROUPS for why
 WORKGROUP_THREADS = 128  # GPU threads per workgroup on the shared-memory path
 VISIT_OWNER = 64  # record mode adds 1 + 64*workgroup per visit: count = v % 64, owner = v // 64 (one visit)
 RUNNING_MAX_INIT = -3.402823466e38  # finite: exp(M_old - M_new) is 0 on the first block, never NaN
-TOKEN_FLAGS = 5  # the device token scan's flags: non-finite q, k, v values; k, v outside the f16 range
-UNSCANNED = -1  # the stamp of a step whose token was checked on the host: no flag ever holds it
 
 f16_plane = ti.types.ndarray(dtype=ti.f16, ndim=4)
 f32_3d = ti.types.ndarray(dtype=ti.f32, ndim=3)
 f32_4d = ti.types.ndarray(dtype=ti.f32, ndim=4)
 i32_1d = ti.types.ndarray(dtype=ti.i32, ndim=1)
 i32_2d = ti.types.ndarray(dtype=ti.i32, ndim=2)
-
-
-@ti.func
-def token_accepted(flags: ti.template(), stamp):
-    """False when this step's device scan (stores.build_token_scan, stamp ``stamp``) flagged the token.
-    Every kernel that writes a plane during a step asks it first, so a step_device token the scan
-    refuses leaves the planes as they were although the step's kernels ran (Engine.step_device)."""
-    ok = True
-    for i in ti.static(range(TOKEN_FLAGS)):
-        if flags[i] == stamp:
-            ok = False
-    return ok
 
 
 def on_gpu() -> bool:

@@ -32,8 +32,7 @@ from types import SimpleNamespace
 import taichi as ti
 
 from .. import backend
-from .common import (BLOCK_ROWS, HEAD_MAJOR, RUNNING_MAX_INIT, TOKEN_MAJOR, VISIT_OWNER, f16_plane, f32_3d, f32_4d, i32_1d,
-                     i32_2d, token_accepted)
+from .common import BLOCK_ROWS, HEAD_MAJOR, RUNNING_MAX_INIT, TOKEN_MAJOR, VISIT_OWNER, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d
 from .producer_gpu import SHARED_BUDGET_BYTES, build_gpu_producer, gpu_tile_plan, tile_overrides
 
 
@@ -115,7 +114,7 @@ def _build_cpu_producer(head_dim: int, heads_per_kv: int, n_kv: int, bypass: boo
         partials: f32_4d, visits: i32_2d,
         layers: i32_1d, slots: i32_1d, n_group: ti.i32,
         position: ti.i32, window: ti.i32, capacity: ti.i32, origin_logical: ti.i32, origin_physical: ti.i32,
-        nwg: ti.i32, nsg: ti.i32, scale: ti.f32, flags: i32_1d, stamp: ti.i32,
+        nwg: ti.i32, nsg: ti.i32, scale: ti.f32,
     ):
         # one work item per (layer, kv head, workgroup), serial inside
         for item in range(n_group * KV * nwg):
@@ -123,7 +122,7 @@ def _build_cpu_producer(head_dim: int, heads_per_kv: int, n_kv: int, bypass: boo
             layer, slot = layers[g], slots[g]
             n_blocks = (visible + C - 1) // C
             if ti.static(bypass):
-                if wg == 0 and token_accepted(flags, stamp):  # the fused store: see stores.store_token
+                if wg == 0:
                     row = at.physical_of(position, capacity, origin_logical, origin_physical)
                     for d in range(D):
                         at.fused_store(k_cur, v_cur, k_plane, v_plane, layer, slot, kvh, row, d)

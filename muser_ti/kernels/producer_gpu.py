@@ -54,8 +54,7 @@ from dataclasses import dataclass
 
 import taichi as ti
 
-from .common import (BLOCK_ROWS, RUNNING_MAX_INIT, VISIT_OWNER, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d,
-                     token_accepted)
+from .common import BLOCK_ROWS, RUNNING_MAX_INIT, VISIT_OWNER, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d
 
 SHARED_BUDGET_BYTES = {"cuda": 48 * 1024, "vulkan": 48 * 1024, "metal": 32 * 1024}  # without opt-in
 GPU_PRODUCER_THREADS = 128  # T: 128 lets ptxas use 255 registers (see above).  One NoPE layer on the H200 at
@@ -332,7 +331,7 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
         partials: f32_4d, visits: i32_2d,
         layers: i32_1d, slots: i32_1d, n_group: ti.i32,
         position: ti.i32, window: ti.i32, capacity: ti.i32, origin_logical: ti.i32, origin_physical: ti.i32,
-        nwg: ti.i32, nsg: ti.i32, scale: ti.f32, flags: i32_1d, stamp: ti.i32,
+        nwg: ti.i32, nsg: ti.i32, scale: ti.f32,
     ):
         ti.loop_config(block_dim=T)
         for t in range(n_group * KV * nwg * T):
@@ -349,7 +348,7 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
             rows_sh = ti.simt.block.SharedArray((R,), ti.i32)
 
             if ti.static(bypass):
-                if wg == 0 and token_accepted(flags, stamp):  # the fused store: see stores.store_token
+                if wg == 0:
                     row = at.physical_of(position, capacity, origin_logical, origin_physical)
                     e = tid
                     while e < D:

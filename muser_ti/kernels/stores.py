@@ -10,8 +10,7 @@ from types import SimpleNamespace
 
 import taichi as ti
 
-from .common import (HEAD_MAJOR, TOKEN_FLAGS, TOKEN_MAJOR, cached, f16_plane, f32_3d, f32_4d, i32_1d,
-                     token_accepted)
+from .common import HEAD_MAJOR, TOKEN_MAJOR, cached, f16_plane, f32_3d, f32_4d, i32_1d
 
 
 def build_stores(head_dim: int, n_kv: int, layout: str):
@@ -28,15 +27,13 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
         @ti.kernel
         def store_token(
             k_cur: f32_3d, v_cur: f32_3d, k_plane: f16_plane, v_plane: f16_plane,
-            layers: i32_1d, slots: i32_1d, n_group: ti.i32, row: ti.i32, flags: i32_1d, stamp: ti.i32,
+            layers: i32_1d, slots: i32_1d, n_group: ti.i32, row: ti.i32,
         ):
-            """Write the current token (row ``row``) of every layer in the group, unless the step's device
-            scan flagged it (common.token_accepted; stamp UNSCANNED for a host-checked token)."""
+            """Write the current token (row ``row``) of every layer in the group."""
             for g, kvh, d in ti.ndrange(n_group, KV, D):
-                if token_accepted(flags, stamp):
-                    layer, slot = layers[g], slots[g]
-                    put(k_plane, slot, row, kvh, d, k_cur[layer, kvh, d])
-                    put(v_plane, slot, row, kvh, d, v_cur[layer, kvh, d])
+                layer, slot = layers[g], slots[g]
+                put(k_plane, slot, row, kvh, d, k_cur[layer, kvh, d])
+                put(v_plane, slot, row, kvh, d, v_cur[layer, kvh, d])
 
         @ti.kernel
         def store_tokens(
@@ -84,6 +81,7 @@ def build_unpack(n_heads: int, n_kv: int, head_dim: int):
     return cached(("unpack", H, KV, D), build)
 
 
+TOKEN_FLAGS = 5  # non-finite q, k, v values; k, v values outside the f16 range (|x| > 65504)
 F16_MAX = 65504.0
 F32_MAX = 3.4028234663852886e38
 
@@ -92,8 +90,7 @@ def build_token_scan(n_heads: int, n_kv: int, head_dim: int):
     """The input checks of a device-resident token (Engine.step_device) in one launch of one loop.
 
     A flag is set to the scan's ``stamp`` (a count the engine raises every scan) rather than counted
-    from zero, so no launch is spent clearing it: the host reads ``flags[i] == stamp``, and so do the
-    kernels that run in the same graph as the scan before they write a plane (common.token_accepted).
+    from zero, so no launch is spent clearing it: the host reads ``flags[i] == stamp``.
     ``not |x| <= F32_MAX`` holds for NaN (every comparison with it is false) and for +-inf."""
     H, KV, D = n_heads, n_kv, head_dim
 
