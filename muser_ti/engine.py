@@ -409,6 +409,13 @@ class Engine:
         if out is None and vec_layers:
             vec_out = np.empty_like(q)
 
+        if ladder.INTERLEAVED in by_route:
+            # first: the NoPE layers need no store launch ahead of them (theirs is fused), so on a GPU the
+            # device starts work one dispatch into the step's graph and runs it while the host issues the SWA
+            # dispatches (docs/PERF.md run 10: Taichi's host issue, ~20-45 us per dispatch, left the device
+            # idle while the SWA store and producer were issued)
+            self._run_producer(self._interleaved, self._reduce_v2, NOPE, tuple(by_route[ladder.INTERLEAVED]),
+                               new_states[NOPE], p, k_dev, v_dev, out_dev)
         if SWA in self.planes:
             st = new_states[SWA]
             grp = self._group(self.planes[SWA].layers)
@@ -434,9 +441,6 @@ class Engine:
         if ladder.SPLITK in by_route:
             self._run_producer(self._splitk, self._reduce_f32, SWA, tuple(by_route[ladder.SPLITK]),
                                new_states[SWA], p, k_dev, v_dev, out_dev)
-        if ladder.INTERLEAVED in by_route:
-            self._run_producer(self._interleaved, self._reduce_v2, NOPE, tuple(by_route[ladder.INTERLEAVED]),
-                               new_states[NOPE], p, k_dev, v_dev, out_dev)
         if self._recorded is not None:
             self._replay(self._recorded, external=device or ())
             self._recorded = None

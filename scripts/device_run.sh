@@ -13,6 +13,7 @@
 #   stalls ncu's stall reasons for that layer's producer, and its SASS lines by stall samples
 #   hoststep  where a 52-layer step's wall time goes on CUDA and Vulkan; Vulkan tile variants by wall time
 #   trace  a CUDA step's timeline through torch.profiler (kernels, gaps, driver calls) and its Python time
+#   cudaab CUDA steps on the tree in $AB_OLD and on this one
 #   launch what one Taichi dispatch costs the host on CUDA and Vulkan (scripts/tune_gpu.py launch)
 #   hostab steps and one deep layer on this tree and on the tree in $AB_OLD (an older commit), the
 #          trace on this one, then Vulkan steps on both
@@ -94,8 +95,16 @@ fi
 if [ "$what" = steps ]; then  # the 52-layer step on both backends (after a split-geometry change)
   bench cuda-steps timeout 90 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,32768,131072 \
     --repeats 15 --json "$OUT/cuda-steps.json"
-  bench vulkan-steps timeout 120 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
+  bench vulkan-steps timeout 150 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
     --repeats 15 --json "$OUT/vulkan-steps.json"
+fi
+if [ "$what" = cudaab ]; then  # CUDA steps on the tree in $AB_OLD, then on this one, in one call
+  for tree in "$AB_OLD" .; do
+    tag=$([ "$tree" = . ] && echo new || echo old)
+    (cd "$tree" && export PYTHONPATH=/tmp/site:$PWD &&
+     bench $tag-cuda-steps timeout 90 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,131072 \
+       --repeats 15 --json "$OUT/$tag-cuda-steps.json")
+  done
 fi
 if [ "$what" = tests ]; then
   timeout 560 python3 -m pytest -q -p no:cacheprovider --arch cuda --arch vulkan tests/ 2>&1 | tee "$OUT/tests.log" | tail -25
