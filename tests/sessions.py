@@ -5,7 +5,7 @@ import numpy as np
 import muser_ti as mt
 from muser_ti import ladder
 from muser_ti.reference import relative_error
-from muser_ti.tolerances import F32_ROUTE_RTOL, LLAMA_CPU_VTOL
+from muser_ti.tolerances import F32_ROUTE_RTOL, F32_ROUTE_RTOL_LARGE, LLAMA_CPU_VTOL
 
 
 def geometry(n_heads=8, n_kv_heads=2, head_dim=64, window=64, n_layers=4, pattern=("swa", "swa", "swa", "nope"),
@@ -76,14 +76,15 @@ class Session:
         return out
 
     def check(self, out, ref):
-        """Per layer: own routes to the f32 bound; the llama rung to its bound on the scale of V."""
+        """Per layer: own routes to the f32 bound (its "large" variant on large inputs); the llama rung to its
+        bound on the scale of V."""
         for layer, route in enumerate(self.eng.routes):
             if route in ladder.PINNED_ROUTES:
                 err = float(np.abs(out[layer] - ref[layer]).max()) / self.max_abs_v
                 bound = LLAMA_CPU_VTOL
             else:
                 err = relative_error(out[layer], ref[layer])
-                bound = F32_ROUTE_RTOL
+                bound = F32_ROUTE_RTOL_LARGE if self.dist == "large" else F32_ROUTE_RTOL
             self.worst = max(self.worst, err)
             assert err <= bound, (
                 f"position {self.eng.position - 1}, layer {layer}, route {route}: error {err:.3g} > {bound}")
