@@ -38,6 +38,15 @@ def assert_same_state(a: mt.Engine, b: mt.Engine):
         np.testing.assert_array_equal(v, v2)
 
 
+def assert_cache_as_it_was(eng: mt.Engine, before: dict, pos: int):
+    """After a refused token: every plane, its state and the position as ``before`` (planes_snapshot)."""
+    after = eng.planes_snapshot()
+    for kind in before:
+        assert before[kind][2] == after[kind][2]
+        np.testing.assert_array_equal(before[kind][0], after[kind][0])
+        np.testing.assert_array_equal(before[kind][1], after[kind][1])
+    assert eng.position == pos
+
 @pytest.mark.parametrize("geom", list(GEOMETRIES))
 @pytest.mark.parametrize("dist", DISTRIBUTIONS)
 def test_step_device_gives_steps_bits(arch, geom, dist):
@@ -87,12 +96,7 @@ def test_bad_device_token_is_refused_as_step_refuses_it(arch, bad, fragment):
     with pytest.raises(EngineError) as info:
         s.eng.step_device(*device_arrays(q, k, v), out)
     assert fragment in str(info.value)
-    after = s.eng.planes_snapshot()
-    for kind in before:
-        assert before[kind][2] == after[kind][2]
-        np.testing.assert_array_equal(before[kind][0], after[kind][0])
-        np.testing.assert_array_equal(before[kind][1], after[kind][1])
-    assert s.eng.position == pos
+    assert_cache_as_it_was(s.eng, before, pos)
     # a value at the edge of the f16 range is accepted, and the session goes on
     q, k, v = s.token()
     k[0, 0, 0], v[1, 1, 1] = 65504.0, -65504.0
@@ -117,12 +121,7 @@ def test_bad_device_token_leaves_the_cache_whether_or_not_the_step_grows_a_plane
     out = ti.ndarray(ti.f32, q.shape)
     with pytest.raises(EngineError, match="k: non-finite value nan at layer 3, kv head 1, d 5"):
         s.eng.step_device(*device_arrays(q, k, v), out)
-    after = s.eng.planes_snapshot()
-    for kind in before:
-        assert before[kind][2] == after[kind][2]
-        np.testing.assert_array_equal(before[kind][0], after[kind][0])
-        np.testing.assert_array_equal(before[kind][1], after[kind][1])
-    assert s.eng.position == pos
+    assert_cache_as_it_was(s.eng, before, pos)
     k[3, 1, 5], v[0, 0, 9] = 0.5, -0.5
     s.eng.step_device(*device_arrays(q, k, v), out)
     s.history_k.append(k)
