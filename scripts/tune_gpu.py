@@ -195,9 +195,13 @@ def _intervals_union(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+TIMELINE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "cuda_driver", "cuda_runtime")
+
+
 def summarize_trace(events: list[dict], n_steps: int) -> dict:
     """Per-step medians from a chrome trace's events: each "step" annotation's wall, the kernels that
-    ran inside it (by name), GPU busy time (union of kernel spans), and host driver/runtime calls."""
+    ran inside it (by name), GPU busy time (union of kernel spans), and host driver/runtime calls; and
+    one step's timeline, event by event (docs/PERF.md run 10 reads one)."""
     steps = sorted((e for e in events if e.get("cat") == "user_annotation" and e.get("name") == "step"),
                    key=lambda e: e["ts"])
     kernels = [e for e in events if e.get("cat") == "kernel"]
@@ -234,6 +238,14 @@ def summarize_trace(events: list[dict], n_steps: int) -> dict:
     def med_of(key):
         return med([p[key] for p in per_step])
 
+    # one step's timeline, the step before last (the last one's kernels may run past the profiler's end):
+    # (us from the step's start, us, category, name) of every kernel, copy and driver call in it
+    timeline = []
+    if len(steps) >= 2:
+        s, t1 = steps[-2], steps[-1]["ts"]
+        timeline = [(round(e["ts"] - s["ts"], 1), round(e["dur"], 1), e["cat"], e["name"][:60]) for e in
+                    sorted((e for e in events if e.get("cat") in TIMELINE_CATEGORIES and s["ts"] <= e.get("ts", -1) < t1),
+                           key=lambda e: e["ts"])]
     names = sorted({n for p in per_step for n in p["kernels"]})
     call_names = sorted({n for p in per_step for n in p["calls"]})
     return {
@@ -248,6 +260,7 @@ def summarize_trace(events: list[dict], n_steps: int) -> dict:
         "kernel_us": {n: med([p["kernels"].get(n, 0.0) for p in per_step]) for n in names},
         "host_calls": {n: {"count": med([p["calls"].get(n, (0, 0))[0] for p in per_step]),
                            "us": med([p["calls"].get(n, (0, 0.0))[1] for p in per_step])} for n in call_names},
+        "timeline": timeline,
     }
 
 
