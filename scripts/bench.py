@@ -222,46 +222,77 @@ def bench_step(base, depth, arch, peers: Peers, rng, repeats) -> dict:
     return finish(row, base, visibles)
 
 
-# ---- GPU: device time per layer (Taichi's kernel profiler), wall time per step, torch, copy floor ----
+# ---- GPU: one layer's GPU time (CUPTI, or Taichi's kernel profiler), wall time per step, torch, copy floor ----
 
 def gpu_layer(base, route, depth, arch, rng, repeats, torch) -> dict:
-    """One layer's producer + reducer, device time from Taichi's kernel profiler (no host launch cost)."""
+    """One layer's producer + reducer.  On CUDA with torch: the GPU's busy time per launch pair from CUPTI
+    (cupti_layer_row); with MUSER_TI_KERNEL_PROFILER=1, Taichi's kernel profiler (which overstates short
+    tasks, docs/PERF.md run 10); else (Vulkan) the wall time of 10 back-to-back pairs."""
     import taichi as ti
 
     cfg = layer_geometry(base, route, depth)
     eng = mt.Engine(cfg, arch=arch, force=route)
     prefill(eng, depth - 1, rng)
     timed_step(eng, rng, 2)  # leaves the planes at `depth` rows and compiles everything
-    kind = ROUTE_KIND[route]
-    layers = cfg.swa_layers if kind == "swa" else cfg.nope_layers
-    producer, reduce = (eng._splitk, eng._reduce_f32) if route == "splitk" else (eng._interleaved, eng._reduce_v2)
-    st, p = eng.planes[kind].state, eng.position - 1
-    k_dev, v_dev = eng._k_cur, eng._v_cur
     profiled = os.environ.get("MUSER_TI_KERNEL_PROFILER") == "1"
-    times, tasks = [], {}
-    for _ in range(repeats):
-        ti.sync()
-        if profiled:  # device time of the launch's tasks (CUDA; Taichi's profiler crashes on Vulkan)
-            ti.profiler.clear_kernel_profiler_info()
-            eng._run_producer(producer, reduce, kind, layers, st, p, k_dev, v_dev, eng._out)
-            ti.sync()
-            times.append(ti.profiler.get_kernel_profiler_total_time())
-            for name, ms in profiled_tasks():
-                tasks.setdefault(name, []).append(ms)
-        else:  # wall time of 10 back-to-back launches pairs, host launch cost included
-            t0 = time.perf_counter()
-            for _ in range(10):
-                eng._run_producer(producer, reduce, kind, layers, st, p, k_dev, v_dev, eng._out)
-            ti.sync()
-            times.append((time.perf_counter() - t0) / 10)
     nwg, nsg = eng.split_geometry(depth, 1)
-    row = {"what": f"1 layer {route}" + (" (device)" if profiled else " (wall)"), "depth": depth, "visible": depth,
-           "ours_ms": statistics.median(times) * 1e3, "workgroups": nwg, "simdgroups": nsg}
-    if tasks:  # where the device time goes: each kernel's tasks (a serial one computes a range-for's bound)
-        row["tasks_ms"] = {name: statistics.median(ms) for name, ms in tasks.items()}
+    row = {"depth": depth, "visible": depth, "workgroups": nwg, "simdgroups": nsg}
+    if torch is not None and arch == "cuda" and not profiled:
+        trace = cupti_layer_row(eng, route, repeats)
+        row.update({"what": f"1 layer {route} (GPU busy, CUPTI)", "ours_ms": trace["gpu_busy_us"] * 1e-3,
+                    "kernel_us": trace["kernel_us"], "host_wall_ms": trace["wall_us"] * 1e-3})
+    else:
+        launch = layer_launch(eng, route)
+        times, tasks = [], {}
+        for _ in range(repeats):
+            ti.sync()
+            if profiled:  # device time of the launch's tasks (CUDA; Taichi's profiler crashes on Vulkan)
+                ti.profiler.clear_kernel_profiler_info()
+                launch()
+                ti.sync()
+                times.append(ti.profiler.get_kernel_profiler_total_time())
+                for name, ms in profiled_tasks():
+                    tasks.setdefault(name, []).append(ms)
+            else:  # wall time of 10 back-to-back launches pairs, host launch cost included
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    launch()
+                ti.sync()
+                times.append((time.perf_counter() - t0) / 10)
+        row.update({"what": f"1 layer {route}" + (" (device)" if profiled else " (wall)"),
+                    "ours_ms": statistics.median(times) * 1e3})
+        if tasks:  # where the device time goes: each kernel's tasks (a serial one computes a range-for's bound)
+            row["tasks_ms"] = {name: statistics.median(ms) for name, ms in tasks.items()}
     if torch is not None:
         row["torch_ms"] = torch_sdpa_ms(torch, cfg, [depth], repeats)
     return finish(row, base, [depth])
+
+
+def layer_launch(eng: mt.Engine, route: str):
+    """A call that launches one layer engine's producer + reducer over its planes as they stand (the
+    last step's position), with no step around it."""
+    kind = ROUTE_KIND[route]
+    layers = tuple(eng.cfg.swa_layers if kind == "swa" else eng.cfg.nope_layers)
+    producer, reduce = (eng._splitk, eng._reduce_f32) if route == "splitk" else (eng._interleaved, eng._reduce_v2)
+    st, p = eng.planes[kind].state, eng.position - 1
+    return lambda: eng._run_producer(producer, reduce, kind, layers, st, p, eng._k_cur, eng._v_cur, eng._out)
+
+
+def cupti_layer_row(eng: mt.Engine, route: str, repeats: int, path=None) -> dict:
+    """One layer's launch pair under CUPTI (scripts/cupti.py), synchronised each time: medians of the GPU's
+    busy time (the union of the pair's kernel spans), each kernel's time and the host's wall per pair."""
+    import taichi as ti
+
+    from cupti import profile_calls, summarize_trace
+
+    launch = layer_launch(eng, route)
+
+    def pair():
+        launch()
+        ti.sync()
+
+    pair()
+    return summarize_trace(profile_calls(pair, repeats, before=ti.sync, path=path), repeats)
 
 
 def profiled_tasks() -> list[tuple[str, float]]:
@@ -422,7 +453,7 @@ def int_list(text: str) -> list[int]:
 
 
 def gpu_main(args, base, rng, argv) -> int:
-    """GPU mode: --mode layers (device time, Taichi's kernel profiler on) or steps (wall time)."""
+    """GPU mode: --mode layers (one layer's GPU time: gpu_layer says how) or steps (wall time)."""
     global COPY_GB_S
     try:
         import torch

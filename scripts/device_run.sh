@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (the device tool): set up Taichi from the carried wheel and the Vulkan
 # loader from the carried .debs, then run what $1 asks:
-#   bench  CUDA + Vulkan benchmarks (layers: device time; steps: wall time), and the workgroup-cap A/B
+#   bench  CUDA + Vulkan benchmarks (layers: GPU busy time from CUPTI on CUDA, wall on Vulkan; steps: wall
+#          time), and the workgroup-cap A/B
 #   quick  CUDA layers and steps, Vulkan steps (after a kernel change)
 #   tests  the parametrised suite on CUDA and Vulkan
 #   steps  the 52-layer step on CUDA and Vulkan
@@ -37,23 +38,23 @@ for l in sys.stdin:
     print("  %-28s %7d nwg=%-5s ours %8.3f ms  torch %7.4f ms  %6.0f GB/s  floor %.4f ms%s" % (r["what"][:28], r["depth"],
           r.get("workgroups", "-"), r["ours_ms"], r.get("torch_ms", 0), r["ours_gb_s"], r.get("byte_floor_ms", 0),
           "  device I/O %.3f ms" % r["device_io_ms"] if "device_io_ms" in r else "") +
-          ("  tasks (us) " + " ".join("%s %.1f" % (k, v * 1e3) for k, v in r["tasks_ms"].items()) if "tasks_ms" in r else ""))'
+          ("  tasks (us) " + " ".join("%s %.1f" % (k, v * 1e3) for k, v in r["tasks_ms"].items()) if "tasks_ms" in r else "") +
+          ("  kernels (us) " + " ".join("%s %.1f" % (k[:28], v) for k, v in r["kernel_us"].items()) if "kernel_us" in r else ""))'
 }
 if [ "$what" = bench ]; then
   for arch in cuda vulkan; do
-    prof=$([ $arch = cuda ] && echo 1 || echo 0)
-    bench $arch-layers MUSER_TI_KERNEL_PROFILER=$prof timeout 200 python3 scripts/bench.py --arch $arch --mode layers \
+    bench $arch-layers timeout 200 python3 scripts/bench.py --arch $arch --mode layers \
       --layer-depths 2048,8192,32768,131072 --routes interleaved,splitk --repeats 15 --json "$OUT/$arch-layers.json"
     bench $arch-steps timeout 150 python3 scripts/bench.py --arch $arch --mode steps --step-depths 2048,32768,131072 \
       --repeats 15 --json "$OUT/$arch-steps.json"
   done
   for target in 1 2112; do  # the chapter's cap (nwg = 32 per KV head) and 4x the default target
-    bench cap-$target MUSER_GPU_TARGET_WORKGROUPS=$target MUSER_TI_KERNEL_PROFILER=1 timeout 100 python3 scripts/bench.py \
+    bench cap-$target MUSER_GPU_TARGET_WORKGROUPS=$target timeout 100 python3 scripts/bench.py \
       --arch cuda --mode layers --layer-depths 32768,131072 --routes interleaved --repeats 15 --json "$OUT/cap-$target.json"
   done
 fi
 if [ "$what" = quick ]; then  # CUDA layers and steps, Vulkan steps: the figures a kernel change moves
-  bench cuda-layers MUSER_TI_KERNEL_PROFILER=1 timeout 150 python3 scripts/bench.py --arch cuda --mode layers \
+  bench cuda-layers timeout 150 python3 scripts/bench.py --arch cuda --mode layers \
     --layer-depths 2048,8192,32768,131072 --routes interleaved,splitk --repeats 15 --json "$OUT/cuda-layers.json"
   bench cuda-steps timeout 120 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,32768,131072 \
     --repeats 15 --json "$OUT/cuda-steps.json"
@@ -71,7 +72,7 @@ ncu_layer() {  # name, PYTHONPATH: ncu on one interleaved layer at 131,072 keys 
 }
 if [ "$what" = kernel ]; then  # after a producer change: workgroup targets on CUDA layers, and ncu
   for target in 264 528; do
-    bench layers-wg$target MUSER_GPU_TARGET_WORKGROUPS=$target MUSER_TI_KERNEL_PROFILER=1 timeout 150 python3 \
+    bench layers-wg$target MUSER_GPU_TARGET_WORKGROUPS=$target timeout 150 python3 \
       scripts/bench.py --arch cuda --mode layers --layer-depths 2048,32768,131072 --routes interleaved,splitk \
       --repeats 15 --json "$OUT/layers-wg$target.json"
   done
@@ -79,7 +80,7 @@ if [ "$what" = kernel ]; then  # after a producer change: workgroup targets on C
 fi
 if [ "$what" = final ]; then  # the suite on both backends, then the steps on both (rows for docs/PERF.md)
   timeout 250 python3 -m pytest -q -p no:cacheprovider --arch cuda --arch vulkan tests/ 2>&1 | tail -4
-  bench cuda-layers MUSER_TI_KERNEL_PROFILER=1 timeout 80 python3 scripts/bench.py --arch cuda --mode layers \
+  bench cuda-layers timeout 80 python3 scripts/bench.py --arch cuda --mode layers \
     --layer-depths 2048,8192,32768,131072 --routes interleaved,splitk --repeats 15 --json "$OUT/cuda-layers.json"
   bench cuda-steps timeout 90 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,32768,131072 \
     --repeats 15 --json "$OUT/cuda-steps.json"
@@ -179,7 +180,7 @@ if [ "$what" = hostab ]; then  # AB_OLD=build/ab_old: `git archive <commit> muse
     (cd "$tree" && export PYTHONPATH=/tmp/site:$PWD &&
      bench $tag-cuda-steps timeout 90 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,131072 \
        --repeats 15 --json "$OUT/$tag-cuda-steps.json" &&
-     bench $tag-cuda-layers MUSER_TI_KERNEL_PROFILER=1 timeout 60 python3 scripts/bench.py --arch cuda --mode layers \
+     bench $tag-cuda-layers timeout 60 python3 scripts/bench.py --arch cuda --mode layers \
        --layer-depths 2048,131072 --routes interleaved --repeats 15 --json "$OUT/$tag-cuda-layers.json")
   done
   bash "$0" trace

@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import muser_ti as mt  # noqa: E402
-from bench import layer_geometry, median_time as median_s, prefill, random_token  # noqa: E402
+from bench import cupti_layer_row, layer_geometry, median_time as median_s, prefill, random_token  # noqa: E402
+from cupti import profile_calls, summarize_trace  # noqa: E402
 from muser_ti.kernels.common import HEAD_MAJOR  # noqa: E402
 from muser_ti.kernels.producer import addressing  # noqa: E402
 from muser_ti.kernels.producer_gpu import SHARED_BUDGET_BYTES, build_gpu_producer, gpu_tile_plan, tile_overrides  # noqa: E402
@@ -184,91 +185,10 @@ def step(args, rows) -> None:
     emit(row, rows)
 
 
-def _intervals_union(spans: list[tuple[float, float]]) -> float:
-    """Total length of the union of [start, end) spans (us)."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
-
-
-TIMELINE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "cuda_driver", "cuda_runtime")
-
-
-def summarize_trace(events: list[dict], n_steps: int) -> dict:
-    """Per-step medians from a chrome trace's events: each "step" annotation's wall, the kernels that
-    ran inside it (by name), GPU busy time (union of kernel spans), and host driver/runtime calls; and
-    one step's timeline, event by event (docs/PERF.md run 10 reads one)."""
-    steps = sorted((e for e in events if e.get("cat") == "user_annotation" and e.get("name") == "step"),
-                   key=lambda e: e["ts"])
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    calls = [e for e in events if e.get("cat") in ("cuda_driver", "cuda_runtime")]
-    per_step = []
-    for i, s in enumerate(steps):
-        t0 = s["ts"]
-        t1 = steps[i + 1]["ts"] if i + 1 < len(steps) else float("inf")  # kernels may finish after the host span
-        ks = [k for k in kernels if t0 <= k["ts"] < t1]
-        cs = [c for c in calls if t0 <= c["ts"] < t0 + s["dur"]]
-        by_kernel: dict = {}
-        for k in ks:
-            by_kernel.setdefault(k["name"], []).append(k["dur"])
-        by_call: dict = {}
-        for c in cs:
-            by_call.setdefault(c["name"], []).append(c["dur"])
-        spans = [(k["ts"], k["ts"] + k["dur"]) for k in ks]
-        busy = _intervals_union(spans)
-        first = min((a for a, _ in spans), default=t0)
-        last = max((b for _, b in spans), default=t0)
-        per_step.append({
-            "wall_us": s["dur"],
-            "gpu_busy_us": busy,
-            "gpu_span_us": last - first,  # first kernel start to last kernel end
-            "first_kernel_after_us": first - t0,
-            "last_kernel_end_after_host_us": last - (t0 + s["dur"]),
-            "kernels": {n: sum(d) for n, d in by_kernel.items()},
-            "kernel_count": len(ks),
-            "calls": {n: (len(d), sum(d)) for n, d in by_call.items()},
-        })
-    per_step = per_step[-n_steps:]
-    med = statistics.median
-
-    def med_of(key):
-        return med([p[key] for p in per_step])
-
-    # one step's timeline, the step before last (the last one's kernels may run past the profiler's end):
-    # (us from the step's start, us, category, name) of every kernel, copy and driver call in it
-    timeline = []
-    if len(steps) >= 2:
-        s, t1 = steps[-2], steps[-1]["ts"]
-        timeline = [(round(e["ts"] - s["ts"], 1), round(e["dur"], 1), e["cat"], e["name"][:60]) for e in
-                    sorted((e for e in events if e.get("cat") in TIMELINE_CATEGORIES and s["ts"] <= e.get("ts", -1) < t1),
-                           key=lambda e: e["ts"])]
-    names = sorted({n for p in per_step for n in p["kernels"]})
-    call_names = sorted({n for p in per_step for n in p["calls"]})
-    return {
-        "steps": len(per_step),
-        "wall_us": med_of("wall_us"),
-        "gpu_busy_us": med_of("gpu_busy_us"),
-        "gpu_span_us": med_of("gpu_span_us"),
-        "gpu_idle_in_span_us": med([p["gpu_span_us"] - p["gpu_busy_us"] for p in per_step]),
-        "first_kernel_after_us": med_of("first_kernel_after_us"),
-        "last_kernel_end_after_host_us": med_of("last_kernel_end_after_host_us"),
-        "kernel_count": med_of("kernel_count"),
-        "kernel_us": {n: med([p["kernels"].get(n, 0.0) for p in per_step]) for n in names},
-        "host_calls": {n: {"count": med([p["calls"].get(n, (0, 0))[0] for p in per_step]),
-                           "us": med([p["calls"].get(n, (0, 0.0))[1] for p in per_step])} for n in call_names},
-        "timeline": timeline,
-    }
-
-
 def trace(args, rows) -> None:
     """The step's timeline through torch.profiler (CUPTI): see the module docstring."""
     import taichi as ti
     import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
 
     cfg = mt.load_config(args.config)
     rng = np.random.default_rng(args.seed)
@@ -283,25 +203,20 @@ def trace(args, rows) -> None:
             dev[-1].from_numpy(a)
         out = ti.ndarray(ti.f32, q.shape)
         p = eng.position
+
+        def rewound():
+            if eng.position > p:
+                eng.rewind(p)
+            ti.sync()
+
         for way, call in (("step", lambda: eng.step(q, k, v)),
                           ("step_device", lambda: (eng.step_device(*dev, out), ti.sync()))):
             for _ in range(3):  # compile and warm, untimed
-                if eng.position > p:
-                    eng.rewind(p)
+                rewound()
                 call()
             ti.sync()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.repeats):
-                    if eng.position > p:
-                        eng.rewind(p)
-                    ti.sync()
-                    with record_function("step"):
-                        call()
-                ti.sync()
             path = Path(args.trace_dir) / f"trace-{eng.arch}-{depth}-{way}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(path))
-            events = json.loads(path.read_text())["traceEvents"]
+            events = profile_calls(call, args.repeats, before=rewound, after=ti.sync, path=path)
             row = {"what": "step trace", "arch": eng.arch, "depth": depth, "way": way, "trace": path.name,
                    **summarize_trace(events, args.repeats)}
             row["python_top"] = python_profile(eng, p, call, args.repeats)
@@ -311,33 +226,15 @@ def trace(args, rows) -> None:
 
 
 def trace_layer(args, rows, base_cfg, depth: int, rng) -> None:
-    """One NoPE layer's producer + reducer under CUPTI: their device time without Taichi's kernel
-    profiler, whose per-task timing adds several microseconds to each task (docs/PERF.md run 10)."""
-    import taichi as ti
-    from torch.profiler import ProfilerActivity, profile, record_function
-
+    """One NoPE layer's producer + reducer under CUPTI (bench.cupti_layer_row)."""
     cfg = layer_geometry(base_cfg, "interleaved", depth)
     eng = mt.Engine(cfg, arch=args.arch, force="interleaved", pinned="off")
     prefill(eng, depth - 1, rng)
     eng.step(*random_token(cfg, rng))
-    st, p, layers = eng.planes["nope"].state, eng.position - 1, tuple(cfg.nope_layers)
-
-    def launch():
-        eng._run_producer(eng._interleaved, eng._reduce_v2, "nope", layers, st, p, eng._k_cur, eng._v_cur, eng._out)
-
-    launch()
-    ti.sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.repeats):
-            ti.sync()
-            with record_function("step"):
-                launch()
-                ti.sync()
     path = Path(args.trace_dir) / f"trace-{eng.arch}-{depth}-layer.json"
-    prof.export_chrome_trace(str(path))
-    events = json.loads(path.read_text())["traceEvents"]
     emit({"what": "layer trace", "arch": eng.arch, "depth": depth, "way": "one NoPE layer", "trace": path.name,
-          "workgroups": eng.split_geometry(depth, 1)[0], **summarize_trace(events, args.repeats), "python_top": []}, rows)
+          "workgroups": eng.split_geometry(depth, 1)[0], **cupti_layer_row(eng, "interleaved", args.repeats, path),
+          "python_top": []}, rows)
 
 
 def python_profile(eng, p: int, call, repeats: int, top: int = 12) -> list:
