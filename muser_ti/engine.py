@@ -655,33 +655,29 @@ class Engine:
         the run's dict on every run, and a step passes the same q, k, v, planes and layer lists to
         several kernels."""
         caller = {id(a) for a in external}
-        key, values, names = [], {}, {}
+        key, values, names, arg_names = [], {}, {}, []
         for i, (kernel, args) in enumerate(dispatches):
-            sig = []
+            sig, these = [], []
             for j, a in enumerate(args):
                 if isinstance(a, ti.Ndarray):
                     name = names.get(id(a))
                     if name is None:
                         name = names[id(a)] = f"n{len(names)}"
-                        values[name] = a
                     sig.append(("caller", name, tuple(a.shape)) if id(a) in caller else (name, id(a)))
                 else:
-                    values[f"d{i}a{j}"] = a
+                    name = f"d{i}a{j}"
                     sig.append(type(a).__name__)
+                values[name] = a
+                these.append(name)
             key.append((id(kernel), tuple(sig)))
+            arg_names.append(these)
         key = tuple(key)
         graph = self._graphs.get(key)
         if graph is None:
             builder = ti.graph.GraphBuilder()
-            symbols: dict[str, object] = {}
-            for i, (kernel, args) in enumerate(dispatches):
-                bound = []
-                for j, a in enumerate(args):
-                    name = names[id(a)] if isinstance(a, ti.Ndarray) else f"d{i}a{j}"
-                    if name not in symbols:
-                        symbols[name] = self._graph_arg(name, a)
-                    bound.append(symbols[name])
-                builder.dispatch(kernel, *bound)
+            symbols = {name: self._graph_arg(name, a) for name, a in values.items()}
+            for (kernel, _), these in zip(dispatches, arg_names):
+                builder.dispatch(kernel, *[symbols[name] for name in these])
             graph = self._graphs[key] = builder.compile()
         # arrays bound at build time are part of the key; pass them again (graphs take them per run)
         graph.run(values)

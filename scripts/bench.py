@@ -114,12 +114,20 @@ def timed_device_step(eng: mt.Engine, rng, repeats: int, warmup: int = 2) -> flo
     completion (ti.sync inside the timing, and before it untimed)."""
     import taichi as ti
 
-    dev = []
-    for a in random_token(eng.cfg, rng):
-        dev.append(ti.ndarray(ti.f32, a.shape))
-        dev[-1].from_numpy(a)
+    dev = device_token(*random_token(eng.cfg, rng))
     out = ti.ndarray(ti.f32, dev[0].shape)
     return rewound_median(eng, lambda: (eng.step_device(*dev, out), ti.sync()), repeats, warmup, settle=ti.sync)
+
+
+def device_token(*host: np.ndarray) -> list:
+    """Float32 ndarrays holding the given host arrays (a token as step_device takes it)."""
+    import taichi as ti
+
+    dev = []
+    for a in host:
+        dev.append(ti.ndarray(ti.f32, a.shape))
+        dev[-1].from_numpy(a)
+    return dev
 
 
 class Peers:

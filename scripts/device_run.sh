@@ -99,13 +99,16 @@ if [ "$what" = steps ]; then  # the 52-layer step on both backends (after a spli
   bench vulkan-steps timeout 150 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
     --repeats 15 --json "$OUT/vulkan-steps.json"
 fi
-if [ "$what" = cudaab ]; then  # CUDA steps on the tree in $AB_OLD, then on this one, in one call
+ab_bench() {  # name, extra env..., args...: bench on the tree in $AB_OLD as old-<name>, then on this one as new-<name>
+  local name=$1; shift
   for tree in "$AB_OLD" .; do
-    tag=$([ "$tree" = . ] && echo new || echo old)
-    (cd "$tree" && export PYTHONPATH=/tmp/site:$PWD &&
-     bench $tag-cuda-steps timeout 90 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,131072 \
-       --repeats 15 --json "$OUT/$tag-cuda-steps.json")
+    local tag; tag=$([ "$tree" = . ] && echo new || echo old)
+    (cd "$tree" && export PYTHONPATH=/tmp/site:$PWD && bench "$tag-$name" "${@//@JSON@/$OUT/$tag-$name.json}")
   done
+}
+AB_STEPS="timeout 90 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,131072 --repeats 15 --json @JSON@"
+if [ "$what" = cudaab ]; then  # CUDA steps on the tree in $AB_OLD, then on this one, in one call
+  ab_bench cuda-steps $AB_STEPS
 fi
 if [ "$what" = tests ]; then
   timeout 560 python3 -m pytest -q -p no:cacheprovider --arch cuda --arch vulkan tests/ 2>&1 | tee "$OUT/tests.log" | tail -25
@@ -175,19 +178,10 @@ if [ "$what" = launch ]; then
   done
 fi
 if [ "$what" = hostab ]; then  # AB_OLD=build/ab_old: `git archive <commit> muser_ti scripts configs pyproject.toml`
-  for tree in "$AB_OLD" .; do
-    tag=$([ "$tree" = . ] && echo new || echo old)
-    (cd "$tree" && export PYTHONPATH=/tmp/site:$PWD &&
-     bench $tag-cuda-steps timeout 90 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,131072 \
-       --repeats 15 --json "$OUT/$tag-cuda-steps.json" &&
-     bench $tag-cuda-layers timeout 60 python3 scripts/bench.py --arch cuda --mode layers \
-       --layer-depths 2048,131072 --routes interleaved --repeats 15 --json "$OUT/$tag-cuda-layers.json")
-  done
+  ab_bench cuda-steps $AB_STEPS
+  ab_bench cuda-layers timeout 60 python3 scripts/bench.py --arch cuda --mode layers --layer-depths 2048,131072 \
+    --routes interleaved --repeats 15 --json @JSON@
   bash "$0" trace
-  for tree in . "$AB_OLD"; do
-    tag=$([ "$tree" = . ] && echo new || echo old)
-    (cd "$tree" && export PYTHONPATH=/tmp/site:$PWD &&
-     bench $tag-vulkan-steps timeout 75 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,131072 \
-       --repeats 15 --json "$OUT/$tag-vulkan-steps.json")
-  done
+  ab_bench vulkan-steps timeout 75 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,131072 \
+    --repeats 15 --json @JSON@
 fi

@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import muser_ti as mt  # noqa: E402
-from bench import cupti_layer_row, layer_geometry, median_time as median_s, prefill, random_token  # noqa: E402
+from bench import (cupti_layer_row, device_token, layer_geometry, median_time as median_s, prefill,  # noqa: E402
+                   random_token)
 from cupti import profile_calls, summarize_trace  # noqa: E402
 from muser_ti.kernels.common import HEAD_MAJOR  # noqa: E402
 from muser_ti.kernels.producer import addressing  # noqa: E402
@@ -197,10 +198,7 @@ def trace(args, rows) -> None:
         eng = mt.Engine(cfg, arch=args.arch, pinned="off")
         prefill(eng, depth - 1, rng)
         q, k, v = random_token(cfg, rng)
-        dev = []
-        for a in (q, k, v):
-            dev.append(ti.ndarray(ti.f32, a.shape))
-            dev[-1].from_numpy(a)
+        dev = device_token(q, k, v)
         out = ti.ndarray(ti.f32, q.shape)
         p = eng.position
 
@@ -219,7 +217,7 @@ def trace(args, rows) -> None:
             events = profile_calls(call, args.repeats, before=rewound, after=ti.sync, path=path)
             row = {"what": "step trace", "arch": eng.arch, "depth": depth, "way": way, "trace": path.name,
                    **summarize_trace(events, args.repeats)}
-            row["python_top"] = python_profile(eng, p, call, args.repeats)
+            row["python_top"] = python_profile(call, args.repeats, before=rewound)
             emit(row, rows)
         if args.layers:
             trace_layer(args, rows, base_cfg=cfg, depth=depth, rng=rng)
@@ -237,15 +235,15 @@ def trace_layer(args, rows, base_cfg, depth: int, rng) -> None:
           "python_top": []}, rows)
 
 
-def python_profile(eng, p: int, call, repeats: int, top: int = 12) -> list:
-    """The host's Python time in ``call`` by function (cProfile, own time), the largest first."""
+def python_profile(call, repeats: int, before, top: int = 12) -> list:
+    """The host's Python time in ``call`` by function (cProfile, own time), the largest first; ``before``
+    runs unprofiled ahead of each call."""
     import cProfile
     import pstats
 
     prof = cProfile.Profile()
     for _ in range(repeats):
-        if eng.position > p:
-            eng.rewind(p)
+        before()
         prof.enable()
         call()
         prof.disable()
