@@ -182,6 +182,6 @@ if [ "$what" = hostab ]; then  # AB_OLD=build/ab_old: `git archive <commit> muse
   ab_bench cuda-layers timeout 60 python3 scripts/bench.py --arch cuda --mode layers --layer-depths 2048,131072 \
     --routes interleaved --repeats 15 --json @JSON@
   bash "$0" trace
-  ab_bench vulkan-steps timeout 75 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,131072 \
+  ab_bench vulkan-steps timeout 150 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,131072 \
     --repeats 15 --json @JSON@
 fi
