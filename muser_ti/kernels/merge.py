@@ -45,6 +45,42 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype):
                 gmax = ti.max(gmax, partials[g, h, i, 0])
             return gmax
 
+        @ti.func
+        def gpu_work(t, partials: ti.template(), out: ti.template(), layers: ti.template(), nwg, write):
+            """Thread t of the GPU launch: one workgroup per (layer, head).  The factors exp(M_i - gmax) are
+            computed once, in parallel, into shared memory; then threads over d sum the weighted partials
+            (coalesced loads).  ``write`` = 0 leaves ``out`` as it was (a token the scan refused)."""
+            tid = t % T
+            g, h = (t // T) // H, (t // T) % H
+            f_sh = ti.simt.block.SharedArray((MAX_GPU_WG,), ti.f32)
+            red = ti.simt.block.SharedArray((T,), ti.f32)
+            local = RUNNING_MAX_INIT
+            i = tid
+            while i < nwg:
+                local = ti.max(local, partials[g, h, i, 0])
+                i += T
+            red[tid] = local
+            gmax = tree(red, tid, True)
+            ti.simt.block.sync()  # everyone has read red[0] before it is rewritten
+            local_sum = 0.0
+            i = tid
+            while i < nwg:
+                f = ti.exp(partials[g, h, i, 0] - gmax)
+                f_sh[i] = f
+                local_sum += partials[g, h, i, 1] * f
+                i += T
+            red[tid] = local_sum
+            total = tree(red, tid, False)
+            inv = 1.0 / total if total > 0.0 else 0.0
+            d = tid
+            while d < D:
+                acc = 0.0
+                for i2 in range(nwg):
+                    acc += partials[g, h, i2, 2 + d] * f_sh[i2]
+                if write:
+                    out[layers[g], h, d] = ti.cast(acc * inv, out_dtype)
+                d += T
+
         @ti.kernel
         def reduce(partials: f32_4d, out: out_t, layers: i32_1d, n_group: ti.i32, nwg: ti.i32):
             if ti.static(not gpu):
@@ -64,40 +100,11 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype):
                             acc += partials[g, h, i, 2 + d] * factors[i]
                         out[layers[g], h, d] = ti.cast(acc * inv, out_dtype)
             else:
-                # one workgroup per (layer, head): factors exp(M_i - gmax) computed once, in parallel,
-                # into shared memory; then threads over d sum the weighted partials (coalesced loads).
                 ti.loop_config(block_dim=T)
                 for t in range(n_group * H * T):
-                    tid = t % T
-                    g, h = (t // T) // H, (t // T) % H
-                    f_sh = ti.simt.block.SharedArray((MAX_GPU_WG,), ti.f32)
-                    red = ti.simt.block.SharedArray((T,), ti.f32)
-                    local = RUNNING_MAX_INIT
-                    i = tid
-                    while i < nwg:
-                        local = ti.max(local, partials[g, h, i, 0])
-                        i += T
-                    red[tid] = local
-                    gmax = tree(red, tid, True)
-                    ti.simt.block.sync()  # everyone has read red[0] before it is rewritten
-                    local_sum = 0.0
-                    i = tid
-                    while i < nwg:
-                        f = ti.exp(partials[g, h, i, 0] - gmax)
-                        f_sh[i] = f
-                        local_sum += partials[g, h, i, 1] * f
-                        i += T
-                    red[tid] = local_sum
-                    total = tree(red, tid, False)
-                    inv = 1.0 / total if total > 0.0 else 0.0
-                    d = tid
-                    while d < D:
-                        acc = 0.0
-                        for i2 in range(nwg):
-                            acc += partials[g, h, i2, 2 + d] * f_sh[i2]
-                        out[layers[g], h, d] = ti.cast(acc * inv, out_dtype)
-                        d += T
+                    gpu_work(t, partials, out, layers, nwg, 1)
 
+        reduce.gpu_work = gpu_work
         return reduce
 
     return cached(("reduce", D, H, gpu, str(out_dtype)), build)

@@ -33,7 +33,7 @@ import taichi as ti
 
 from .. import backend
 from .common import BLOCK_ROWS, HEAD_MAJOR, RUNNING_MAX_INIT, TOKEN_MAJOR, VISIT_OWNER, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d
-from .producer_gpu import SHARED_BUDGET_BYTES, build_gpu_producer, gpu_tile_plan, tile_overrides
+from .producer_gpu import SHARED_BUDGET_BYTES, build_gpu_producer, gpu_producer_work, gpu_tile_plan, tile_overrides
 
 
 
@@ -82,9 +82,20 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
     """
     at = addressing(layout, n_kv)
     if gpu:
-        plan = gpu_tile_plan(heads_per_kv, head_dim, SHARED_BUDGET_BYTES[backend.active()], **tile_overrides())
-        return build_gpu_producer(plan, n_kv, bypass, record, at)
+        return build_gpu_producer(active_tile_plan(head_dim, heads_per_kv), n_kv, bypass, record, at)
     return _build_cpu_producer(head_dim, heads_per_kv, n_kv, bypass, record, at)
+
+
+def active_tile_plan(head_dim: int, heads_per_kv: int):
+    """The GPU producer's tile on the active backend (its shared-memory budget, MUSER_GPU_TILE's caps)."""
+    return gpu_tile_plan(heads_per_kv, head_dim, SHARED_BUDGET_BYTES[backend.active()], **tile_overrides())
+
+
+def gpu_work(head_dim: int, heads_per_kv: int, n_kv: int, layout: str, bypass: bool):
+    """(per-thread work, tile plan) of the GPU producer for the one-dispatch step (step_gpu.py): the
+    producer's ti.func without its fused store, which that step makes a task of its own."""
+    plan = active_tile_plan(head_dim, heads_per_kv)
+    return gpu_producer_work(plan, n_kv, bypass, False, addressing(layout, n_kv), fused_store=False), plan
 
 
 def _build_cpu_producer(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, record: bool, at):
@@ -233,4 +244,4 @@ def _build_cpu_producer(head_dim: int, heads_per_kv: int, n_kv: int, bypass: boo
     return producer
 
 
-__all__ = ["build_producer", "addressing", "TOKEN_MAJOR", "HEAD_MAJOR"]
+__all__ = ["build_producer", "addressing", "active_tile_plan", "gpu_work", "TOKEN_MAJOR", "HEAD_MAJOR"]

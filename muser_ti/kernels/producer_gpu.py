@@ -212,8 +212,11 @@ def tile_overrides(text: str | None = None) -> dict[str, int]:
     return out
 
 
-def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at):
-    """The GPU producer kernel; ``at`` is the layout's addressing (producer.addressing)."""
+def gpu_producer_work(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at, fused_store: bool):
+    """The GPU producer's per-thread work, a ti.func of the launch's thread index t; ``at`` is the
+    layout's addressing (producer.addressing).  fused_store: workgroup 0 of each work item writes the
+    current token's row into the plane (the interleaved route); the one-dispatch step (step_gpu.py)
+    stores in a task of its own instead, behind the token scan's flags."""
     p = plan
     G, D, T, KV, C = p.G, p.D, p.T, n_kv, BLOCK_ROWS
     HB, RG, RB, R, DC, VR = p.HB, p.RG, p.RB, p.R, p.DC, p.VR
@@ -325,6 +328,195 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
                 nxt = load_chunk(plane, rows_sh, slot, kvh, is_k, c + 1, tid, 0, LOADS)
         return nxt
 
+    @ti.func
+    def work(t, q: ti.template(), k_cur: ti.template(), v_cur: ti.template(), k_plane: ti.template(),
+             v_plane: ti.template(), partials: ti.template(), visits: ti.template(), layers: ti.template(),
+             slots: ti.template(), position, window, capacity, origin_logical, origin_physical, nwg, nsg, scale):
+        """Thread t of the launch: work item t // T (a layer, KV head and workgroup), thread t % T."""
+        tid = umod(t, T)
+        g, kvh, wg, logical_start, visible = at.work_item(udiv(t, T), nwg, position, window)
+        layer, slot = layers[g], slots[g]
+
+        q_sh = ti.simt.block.SharedArray((G * D,), ti.f32)
+        buf = ti.simt.block.SharedArray((p.BUF,), ti.f32)  # K chunk [R][KS] | V chunk [VR][VS] | O slices
+        w_sh = ti.simt.block.SharedArray((G * WS,), ti.f32)  # weights [h][r]
+        part = ti.simt.block.SharedArray((G * RG,), ti.f32)  # per (head, row group): max, then sum
+        part2 = ti.simt.block.SharedArray((G * L2,), ti.f32)
+        state = ti.simt.block.SharedArray((2 * G,), ti.f32)  # running max M, this tile's factor
+        rows_sh = ti.simt.block.SharedArray((R,), ti.i32)
+
+        if ti.static(fused_store):
+            if wg == 0:
+                row = at.physical_of(position, capacity, origin_logical, origin_physical)
+                e = tid
+                while e < D:
+                    at.fused_store(k_cur, v_cur, k_plane, v_plane, layer, slot, kvh, row, e)
+                    e += T
+        e = tid
+        while e < G * D:
+            q_sh[e] = q[layer, kvh * G + udiv(e, D), umod(e, D)]
+            e += T
+        if tid < G:
+            state[tid] = RUNNING_MAX_INIT
+            state[G + tid] = 0.0
+
+        # this thread's score tile: heads h0 + i, rows sr + RG*j; value tile: heads vh0 + i,
+        # dims dg + DG*j, rows rs, rs + RS, ... of each V chunk
+        h0, sr = udiv(tid, RG) * HB, umod(tid, RG)
+        rs, vl = udiv(tid, HGV * DG), umod(tid, HGV * DG)
+        vh0, dg = udiv(vl, DG) * VH, umod(vl, DG)
+        acc = ti.Matrix.zero(ti.f32, VH, VD)
+        lsum = ti.Vector([0.0] * HB)
+
+        # the rows this workgroup owns, in increasing order: runs wg, wg + nwg, ... of nsg blocks
+        run = nsg * C
+        n_runs = (visible + run - 1) // run
+        my_runs = 0
+        if wg < n_runs:
+            my_runs = (n_runs - 1 - wg) // nwg + 1
+        n_own = my_runs * run
+        if my_runs > 0 and (n_runs - 1) % nwg == wg:
+            n_own -= n_runs * run - visible  # the last run is partial
+        last_run = (visible - 1) // run  # the current token is the window's last row
+        o_cur = -1
+        if last_run % nwg == wg:
+            o_cur = (last_run // nwg) * run + (visible - 1) % run
+        ti.simt.block.sync()
+
+        o_first = 0
+        while o_first < n_own:  # uniform across the workgroup: barriers inside are safe
+            count = ti.min(R, n_own - o_first)
+            r_cur = o_cur - o_first  # tile row of the current token (bypass), maybe out of range
+            tile_rows(o_first, count, wg, nwg, run, logical_start, capacity, origin_logical, origin_physical,
+                      rows_sh, visits, g, tid)
+            ti.simt.block.sync()
+
+            sc = ti.Matrix.zero(ti.f32, HB, RB)
+            ahead = ti.Vector([0.0] * LOADS, dt=ti.f16)  # PF: this thread's share of the next chunk, in flight
+            if ti.static(PF):
+                ahead = load_chunk(k_plane, rows_sh, slot, kvh, True, 0, tid, 0, LOADS)
+            for c in range(NKC):
+                ahead = stage_chunk(k_plane, k_cur, buf, rows_sh, ahead, layer, slot, kvh, True, c, NKC, r_cur,
+                                    count, tid)
+                if tid < SCORE_THREADS:
+                    for dd in range(DC):  # not unrolled: ptxas unrolls it.  Unrolled here by 4 it ran 172
+                        # against 170 us at 131,072 keys, fully 232 (run 9); K rows padded to 16-byte
+                        # alignment (stride 20) for 128-bit reads: 171 (run 9)
+                        kd = ti.Vector([buf[(sr + j * RG) * KS + dd] for j in ti.static(range(RB))])
+                        for i in ti.static(range(HB)):
+                            qd = q_sh[(h0 + i) * D + c * DC + dd]
+                            for j in ti.static(range(RB)):
+                                sc[i, j] = sc[i, j] + qd * kd[j]
+
+            if ti.static(PF):  # V's first chunk is in flight while the softmax bookkeeping runs
+                ahead = load_chunk(v_plane, rows_sh, slot, kvh, False, 0, tid, 0, LOADS)
+            # the tile's max per head: thread -> part[h][row group] -> part2[h][L2] -> state
+            if tid < SCORE_THREADS:
+                for i in ti.static(range(HB)):
+                    local = RUNNING_MAX_INIT
+                    for j in ti.static(range(RB)):
+                        if sr + j * RG < count:
+                            local = ti.max(local, sc[i, j] * scale)
+                    part[(h0 + i) * RG + sr] = local
+            ti.simt.block.sync()
+            if tid < G * L2:
+                h, sub = udiv(tid, L2), umod(tid, L2)
+                local = RUNNING_MAX_INIT
+                j = sub
+                while j < RG:
+                    local = ti.max(local, part[h * RG + j])
+                    j += L2
+                part2[h * L2 + sub] = local
+            ti.simt.block.sync()
+            if tid < G:
+                tile_max = part2[tid * L2]
+                for j in range(1, L2):
+                    tile_max = ti.max(tile_max, part2[tid * L2 + j])
+                new_max = ti.max(state[tid], tile_max)
+                state[G + tid] = ti.exp(state[tid] - new_max)
+                state[tid] = new_max
+            ti.simt.block.sync()
+            # weights (rows past count: 0), the thread's running sums, the accumulators' rescale
+            if tid < SCORE_THREADS:
+                for i in ti.static(range(HB)):
+                    h = h0 + i
+                    m, f = state[h], state[G + h]
+                    total = lsum[i] * f
+                    for j in ti.static(range(RB)):
+                        r = sr + j * RG
+                        w = 0.0
+                        if r < count:
+                            w = ti.exp(sc[i, j] * scale - m)
+                        w_sh[h * WS + r] = w
+                        total += w
+                    lsum[i] = total
+            if tid < VALUE_THREADS:
+                for i in ti.static(range(VH)):
+                    f = state[G + vh0 + i]
+                    for j in ti.static(range(VD)):
+                        acc[i, j] = acc[i, j] * f
+
+            n_vc = (count + VR - 1) // VR  # V chunks past the tile's last row would only add zeros
+            for c in range(n_vc):
+                ahead = stage_chunk(v_plane, v_cur, buf, rows_sh, ahead, layer, slot, kvh, False, c, n_vc, r_cur,
+                                    count, tid)
+                if tid < VALUE_THREADS:
+                    lr = rs
+                    while lr < VR:  # unrolled (VR // RS rows) it ran 2-4 % slower (run 8)
+                        vv = ti.Vector([buf[lr * VS + dg + DG * j] for j in ti.static(range(VD))])
+                        for i in ti.static(range(VH)):
+                            w = w_sh[(vh0 + i) * WS + c * VR + lr]
+                            for j in ti.static(range(VD)):
+                                acc[i, j] = acc[i, j] + w * vv[j]
+                        lr += RS
+            ti.simt.block.sync()  # the next tile rewrites rows_sh, buf, w_sh and part
+            o_first += R
+
+        # S per head: the threads' running sums, reduced once per workgroup
+        if tid < SCORE_THREADS:
+            for i in ti.static(range(HB)):
+                part[(h0 + i) * RG + sr] = lsum[i]
+        ti.simt.block.sync()
+        if tid < G * L2:
+            h, sub = udiv(tid, L2), umod(tid, L2)
+            total = 0.0
+            j = sub
+            while j < RG:
+                total += part[h * RG + j]
+                j += L2
+            part2[h * L2 + sub] = total
+        ti.simt.block.sync()
+        if tid < G:
+            total = 0.0
+            for j in range(L2):
+                total += part2[tid * L2 + j]
+            partials[g, kvh * G + tid, wg, 0] = state[tid]
+            partials[g, kvh * G + tid, wg, 1] = total
+        # O per head: the RS row slices summed into slice 0 through buf, one slice at a time
+        for s in range(1, RS):
+            if rs == s:
+                for i in ti.static(range(VH)):
+                    for j in ti.static(range(VD)):
+                        buf[(vh0 + i) * D + dg + DG * j] = acc[i, j]
+            ti.simt.block.sync()
+            if rs == 0:
+                for i in ti.static(range(VH)):
+                    for j in ti.static(range(VD)):
+                        acc[i, j] = acc[i, j] + buf[(vh0 + i) * D + dg + DG * j]
+            ti.simt.block.sync()
+        if rs == 0:
+            for i in ti.static(range(VH)):
+                for j in ti.static(range(VD)):
+                    partials[g, kvh * G + vh0 + i, wg, 2 + dg + DG * j] = acc[i, j]
+
+    return work
+
+
+def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at):
+    """The GPU producer kernel: one launch of gpu_producer_work, T threads per work item."""
+    work = gpu_producer_work(plan, n_kv, bypass, record, at, fused_store=bypass)
+    T = plan.T
+
     @ti.kernel
     def producer(
         q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, k_plane: f16_plane, v_plane: f16_plane,
@@ -334,185 +526,12 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
         nwg: ti.i32, nsg: ti.i32, scale: ti.f32,
     ):
         ti.loop_config(block_dim=T)
-        for t in range(n_group * KV * nwg * T):
-            tid = umod(t, T)
-            g, kvh, wg, logical_start, visible = at.work_item(udiv(t, T), nwg, position, window)
-            layer, slot = layers[g], slots[g]
-
-            q_sh = ti.simt.block.SharedArray((G * D,), ti.f32)
-            buf = ti.simt.block.SharedArray((p.BUF,), ti.f32)  # K chunk [R][KS] | V chunk [VR][VS] | O slices
-            w_sh = ti.simt.block.SharedArray((G * WS,), ti.f32)  # weights [h][r]
-            part = ti.simt.block.SharedArray((G * RG,), ti.f32)  # per (head, row group): max, then sum
-            part2 = ti.simt.block.SharedArray((G * L2,), ti.f32)
-            state = ti.simt.block.SharedArray((2 * G,), ti.f32)  # running max M, this tile's factor
-            rows_sh = ti.simt.block.SharedArray((R,), ti.i32)
-
-            if ti.static(bypass):
-                if wg == 0:
-                    row = at.physical_of(position, capacity, origin_logical, origin_physical)
-                    e = tid
-                    while e < D:
-                        at.fused_store(k_cur, v_cur, k_plane, v_plane, layer, slot, kvh, row, e)
-                        e += T
-            e = tid
-            while e < G * D:
-                q_sh[e] = q[layer, kvh * G + udiv(e, D), umod(e, D)]
-                e += T
-            if tid < G:
-                state[tid] = RUNNING_MAX_INIT
-                state[G + tid] = 0.0
-
-            # this thread's score tile: heads h0 + i, rows sr + RG*j; value tile: heads vh0 + i,
-            # dims dg + DG*j, rows rs, rs + RS, ... of each V chunk
-            h0, sr = udiv(tid, RG) * HB, umod(tid, RG)
-            rs, vl = udiv(tid, HGV * DG), umod(tid, HGV * DG)
-            vh0, dg = udiv(vl, DG) * VH, umod(vl, DG)
-            acc = ti.Matrix.zero(ti.f32, VH, VD)
-            lsum = ti.Vector([0.0] * HB)
-
-            # the rows this workgroup owns, in increasing order: runs wg, wg + nwg, ... of nsg blocks
-            run = nsg * C
-            n_runs = (visible + run - 1) // run
-            my_runs = 0
-            if wg < n_runs:
-                my_runs = (n_runs - 1 - wg) // nwg + 1
-            n_own = my_runs * run
-            if my_runs > 0 and (n_runs - 1) % nwg == wg:
-                n_own -= n_runs * run - visible  # the last run is partial
-            last_run = (visible - 1) // run  # the current token is the window's last row
-            o_cur = -1
-            if last_run % nwg == wg:
-                o_cur = (last_run // nwg) * run + (visible - 1) % run
-            ti.simt.block.sync()
-
-            o_first = 0
-            while o_first < n_own:  # uniform across the workgroup: barriers inside are safe
-                count = ti.min(R, n_own - o_first)
-                r_cur = o_cur - o_first  # tile row of the current token (bypass), maybe out of range
-                tile_rows(o_first, count, wg, nwg, run, logical_start, capacity, origin_logical, origin_physical,
-                          rows_sh, visits, g, tid)
-                ti.simt.block.sync()
-
-                sc = ti.Matrix.zero(ti.f32, HB, RB)
-                ahead = ti.Vector([0.0] * LOADS, dt=ti.f16)  # PF: this thread's share of the next chunk, in flight
-                if ti.static(PF):
-                    ahead = load_chunk(k_plane, rows_sh, slot, kvh, True, 0, tid, 0, LOADS)
-                for c in range(NKC):
-                    ahead = stage_chunk(k_plane, k_cur, buf, rows_sh, ahead, layer, slot, kvh, True, c, NKC, r_cur,
-                                        count, tid)
-                    if tid < SCORE_THREADS:
-                        for dd in range(DC):  # not unrolled: ptxas unrolls it.  Unrolled here by 4 it ran 172
-                            # against 170 us at 131,072 keys, fully 232 (run 9); K rows padded to 16-byte
-                            # alignment (stride 20) for 128-bit reads: 171 (run 9)
-                            kd = ti.Vector([buf[(sr + j * RG) * KS + dd] for j in ti.static(range(RB))])
-                            for i in ti.static(range(HB)):
-                                qd = q_sh[(h0 + i) * D + c * DC + dd]
-                                for j in ti.static(range(RB)):
-                                    sc[i, j] = sc[i, j] + qd * kd[j]
-
-                if ti.static(PF):  # V's first chunk is in flight while the softmax bookkeeping runs
-                    ahead = load_chunk(v_plane, rows_sh, slot, kvh, False, 0, tid, 0, LOADS)
-                # the tile's max per head: thread -> part[h][row group] -> part2[h][L2] -> state
-                if tid < SCORE_THREADS:
-                    for i in ti.static(range(HB)):
-                        local = RUNNING_MAX_INIT
-                        for j in ti.static(range(RB)):
-                            if sr + j * RG < count:
-                                local = ti.max(local, sc[i, j] * scale)
-                        part[(h0 + i) * RG + sr] = local
-                ti.simt.block.sync()
-                if tid < G * L2:
-                    h, sub = udiv(tid, L2), umod(tid, L2)
-                    local = RUNNING_MAX_INIT
-                    j = sub
-                    while j < RG:
-                        local = ti.max(local, part[h * RG + j])
-                        j += L2
-                    part2[h * L2 + sub] = local
-                ti.simt.block.sync()
-                if tid < G:
-                    tile_max = part2[tid * L2]
-                    for j in range(1, L2):
-                        tile_max = ti.max(tile_max, part2[tid * L2 + j])
-                    new_max = ti.max(state[tid], tile_max)
-                    state[G + tid] = ti.exp(state[tid] - new_max)
-                    state[tid] = new_max
-                ti.simt.block.sync()
-                # weights (rows past count: 0), the thread's running sums, the accumulators' rescale
-                if tid < SCORE_THREADS:
-                    for i in ti.static(range(HB)):
-                        h = h0 + i
-                        m, f = state[h], state[G + h]
-                        total = lsum[i] * f
-                        for j in ti.static(range(RB)):
-                            r = sr + j * RG
-                            w = 0.0
-                            if r < count:
-                                w = ti.exp(sc[i, j] * scale - m)
-                            w_sh[h * WS + r] = w
-                            total += w
-                        lsum[i] = total
-                if tid < VALUE_THREADS:
-                    for i in ti.static(range(VH)):
-                        f = state[G + vh0 + i]
-                        for j in ti.static(range(VD)):
-                            acc[i, j] = acc[i, j] * f
-
-                n_vc = (count + VR - 1) // VR  # V chunks past the tile's last row would only add zeros
-                for c in range(n_vc):
-                    ahead = stage_chunk(v_plane, v_cur, buf, rows_sh, ahead, layer, slot, kvh, False, c, n_vc, r_cur,
-                                        count, tid)
-                    if tid < VALUE_THREADS:
-                        lr = rs
-                        while lr < VR:  # unrolled (VR // RS rows) it ran 2-4 % slower (run 8)
-                            vv = ti.Vector([buf[lr * VS + dg + DG * j] for j in ti.static(range(VD))])
-                            for i in ti.static(range(VH)):
-                                w = w_sh[(vh0 + i) * WS + c * VR + lr]
-                                for j in ti.static(range(VD)):
-                                    acc[i, j] = acc[i, j] + w * vv[j]
-                            lr += RS
-                ti.simt.block.sync()  # the next tile rewrites rows_sh, buf, w_sh and part
-                o_first += R
-
-            # S per head: the threads' running sums, reduced once per workgroup
-            if tid < SCORE_THREADS:
-                for i in ti.static(range(HB)):
-                    part[(h0 + i) * RG + sr] = lsum[i]
-            ti.simt.block.sync()
-            if tid < G * L2:
-                h, sub = udiv(tid, L2), umod(tid, L2)
-                total = 0.0
-                j = sub
-                while j < RG:
-                    total += part[h * RG + j]
-                    j += L2
-                part2[h * L2 + sub] = total
-            ti.simt.block.sync()
-            if tid < G:
-                total = 0.0
-                for j in range(L2):
-                    total += part2[tid * L2 + j]
-                partials[g, kvh * G + tid, wg, 0] = state[tid]
-                partials[g, kvh * G + tid, wg, 1] = total
-            # O per head: the RS row slices summed into slice 0 through buf, one slice at a time
-            for s in range(1, RS):
-                if rs == s:
-                    for i in ti.static(range(VH)):
-                        for j in ti.static(range(VD)):
-                            buf[(vh0 + i) * D + dg + DG * j] = acc[i, j]
-                ti.simt.block.sync()
-                if rs == 0:
-                    for i in ti.static(range(VH)):
-                        for j in ti.static(range(VD)):
-                            acc[i, j] = acc[i, j] + buf[(vh0 + i) * D + dg + DG * j]
-                ti.simt.block.sync()
-            if rs == 0:
-                for i in ti.static(range(VH)):
-                    for j in ti.static(range(VD)):
-                        partials[g, kvh * G + vh0 + i, wg, 2 + dg + DG * j] = acc[i, j]
+        for t in range(n_group * n_kv * nwg * T):
+            work(t, q, k_cur, v_cur, k_plane, v_plane, partials, visits, layers, slots, position, window, capacity,
+                 origin_logical, origin_physical, nwg, nsg, scale)
 
     return producer
 
 
 __all__ = ["GPU_PRODUCER_THREADS", "SHARED_BUDGET_BYTES", "TilePlan", "build_gpu_producer", "describe_plans",
-           "gpu_tile_plan", "tile_overrides"]
+           "gpu_producer_work", "gpu_tile_plan", "tile_overrides"]
