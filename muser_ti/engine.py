@@ -21,6 +21,7 @@ from .config import NOPE, SWA, Geometry
 from .kernels.common import HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, on_gpu
 from .kernels.interleaved import build_interleaved
 from .kernels.splitk import build_splitk, gpu_split_geometry, splitk_geometry
+from .kernels.step_gpu import ONE_DISPATCH_ARCHS, build_step_kernel
 from .kernels.stores import TOKEN_FLAGS, build_stores, build_token_scan, build_unpack
 from .planes import PlaneError, PlaneSet, PlaneState, plane_shape, ring_rows_to_write, visible_span, window_of
 from .reference import attend
@@ -148,6 +149,9 @@ class Engine:
         self._unpack = build_unpack(H, KV, D) if on_gpu() and self._transfer.path == "taichi" else None
         self._groups: dict[tuple[int, ...], _Group] = {}
         self._graphs: dict[tuple, object] = {}  # GPU: compiled step graphs by dispatch structure
+        # CUDA, Vulkan: a step on the default routes is one dispatch (kernels/step_gpu.py)
+        self._step_kernel = (build_step_kernel(D, G, KV, H) if gpu and backend.active() in ONE_DISPATCH_ARCHS
+                             and SWA in self.planes and NOPE in self.planes else None)
         self._recorded = None
         self._llama_runners: dict[int, object] = {}  # group size -> ggml graph runner (pinned rung, CPU)
         self._serving = None
@@ -315,8 +319,16 @@ class Engine:
                 got = (f"{a.dtype} ndarray of shape {tuple(a.shape)}" if isinstance(a, ti.Ndarray)
                        else type(a).__name__)
                 raise EngineError(f"step_device {name}: expected a Taichi float32 ndarray of shape {shape}, got {got}")
+        try:
+            p, new_states, routes = self._plan_step()
+        except EngineError:
+            self._scan_device_token(q, k, v)  # a bad token is named before a full cache, as step() names it
+            raise
+        if self._one_dispatch_fits(new_states, routes):
+            # the scan is the step's first task and gates its writes; the flags are read after it
+            self._commit_step(p, new_states, routes, None, None, None, device=(q, k, v, out), gated=True)
+            return out
         self._scan_device_token(q, k, v)
-        p, new_states, routes = self._plan_step()
         if self.mirror is not None or any(r in ladder.PINNED_ROUTES for r in routes):
             host = self._commit_step(p, new_states, routes, *self._download_token(q, k, v))
             self._transfer.upload(out, host)
@@ -324,6 +336,20 @@ class Engine:
             self._commit_step(p, new_states, routes, None, None, None, device=(q, k, v, out))
         self.launches_last_step += 1  # the scan
         return out
+
+    @property
+    def one_dispatch_step(self) -> bool:
+        """True where a step on the default routes runs as one dispatch (CUDA, Vulkan; kernels/step_gpu.py)."""
+        return self._step_kernel is not None
+
+    def _one_dispatch_fits(self, new_states, routes) -> bool:
+        """The step can be the one dispatch: both classes on their default routes, device planes, no growth."""
+        if self._step_kernel is None or self.mirror is not None or self._serving is not None or self._forced:
+            return False
+        g = self.cfg
+        if routes[g.nope_layers[0]] != ladder.INTERLEAVED or routes[g.swa_layers[0]] != ladder.SPLITK:
+            return False  # without forced layers a class's layers share its route (_plan_step)
+        return all(st.capacity == self.planes[kind].state.capacity for kind, st in new_states.items())
 
     def _check_token(self, q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         q = self._check_array("q", q, self._token_shape["q"])
@@ -341,6 +367,10 @@ class Engine:
             self._replay([(self._scan, (q, k, v, self._token_flags, self._scans))], external=(q, k, v))
         else:
             self._scan(q, k, v, self._token_flags, self._scans)
+        self._refuse_if_flagged(q, k, v)
+
+    def _refuse_if_flagged(self, q, k, v) -> None:
+        """Raise, naming the first bad value, if the last scan (stamp self._scans) flagged the token."""
         flags = self._transfer.download(self._token_flags, (TOKEN_FLAGS,)) == self._scans
         if flags.any():
             self._check_token(*self._download_token(q, k, v))
@@ -374,10 +404,13 @@ class Engine:
                 f"loaded: {self.pinned_description}")
         return p, new_states, routes
 
-    def _commit_step(self, p, new_states, routes, q, k, v, device=None):
+    def _commit_step(self, p, new_states, routes, q, k, v, device=None, gated=False):
         """Write and attend the accepted token.  q, k, v: checked host arrays; or device = (q, k, v, out)
-        ndarrays, checked on the device, with out receiving the result (then nothing is returned)."""
-        # ---- commit: from here on the token is accepted ----
+        ndarrays, with out receiving the result (then nothing is returned), checked on the device already or,
+        with ``gated``, by the one-dispatch step's first task: then its flags are read after the step and a
+        refused token leaves the planes, ``out`` and the engine's state as they were."""
+        one_dispatch = self._one_dispatch_fits(new_states, routes)  # before a growing plane is grown
+        # ---- commit: from here on the token is accepted (gated: unless the step's scan refuses it) ----
         self.launches_last_step = 0
         self._recorded = [] if self._gpu else None  # GPU: replay the step's dispatches as one ti.graph
         for kind, st in new_states.items():
@@ -401,6 +434,44 @@ class Engine:
                 k_dev, v_dev = self._upload(self._k_cur, k), self._upload(self._v_cur, v)
             out = np.empty_like(q) if not on_gpu() else None
             out_dev = out if out is not None else self._out
+        vec_layers, vec_out = [], out
+        if one_dispatch:
+            self._launch_one_dispatch(p, new_states, k_dev, v_dev, out_dev)
+        else:
+            vec_layers, vec_out = self._launch_routes(p, new_states, routes, q, k_dev, v_dev, out, out_dev)
+        if self._recorded is not None:
+            self._replay(self._recorded, external=device or ())
+            self._recorded = None
+        if gated:
+            self._refuse_if_flagged(*device[:3])
+        for kind, st in new_states.items():
+            self._set_state(kind, st)
+        self.position = p + 1
+        self.routes = routes
+        self.route_counts.update(routes)
+        if device is not None:
+            return None
+        if out is None:
+            out = self._transfer.download(self._out, q.shape)
+            if vec_layers:
+                out[vec_layers] = vec_out[vec_layers]
+        return out
+
+    def _launch_one_dispatch(self, p, new_states, k_dev, v_dev, out_dev) -> None:
+        """The step as one dispatch (kernels/step_gpu.py): scan, stores, both producers, both reducers."""
+        self._scans += 1
+        args = [self._q_dev, k_dev, v_dev, out_dev, self._token_flags, self._scans, p, self.cfg.attention_scale]
+        for kind in (NOPE, SWA):
+            st, grp = new_states[kind], self._group(self.planes[kind].layers)
+            _, visible = visible_span(self.cfg, kind, p)
+            nwg, nsg = self.split_geometry(visible, len(grp.layers))
+            args += [self._k[kind], self._v[kind], self._partials_for(len(grp.layers), nwg), grp.layers_dev,
+                     grp.slots_dev, len(grp.layers), window_of(self.cfg, kind), st.capacity, st.origin_logical,
+                     st.origin_physical, st.physical(p), nwg, nsg]
+        self._launch(self._step_kernel, *args)
+
+    def _launch_routes(self, p, new_states, routes, q, k_dev, v_dev, out, out_dev):
+        """Each route's dispatches (the graph route); returns (layers on a pinned route, their host output)."""
         by_route: dict[str, list[int]] = {}
         for layer, r in enumerate(routes):
             by_route.setdefault(r, []).append(layer)
@@ -408,7 +479,6 @@ class Engine:
         vec_out = out  # GPU (Metal): the bridge's results land on the host, merged into the output below
         if out is None and vec_layers:
             vec_out = np.empty_like(q)
-
         if ladder.INTERLEAVED in by_route:
             # first: the NoPE layers need no store launch ahead of them (theirs is fused), so on a GPU the
             # device starts work one dispatch into the step's graph and runs it while the host issues the SWA
@@ -441,21 +511,7 @@ class Engine:
         if ladder.SPLITK in by_route:
             self._run_producer(self._splitk, self._reduce_f32, SWA, tuple(by_route[ladder.SPLITK]),
                                new_states[SWA], p, k_dev, v_dev, out_dev)
-        if self._recorded is not None:
-            self._replay(self._recorded, external=device or ())
-            self._recorded = None
-        for kind, st in new_states.items():
-            self._set_state(kind, st)
-        self.position = p + 1
-        self.routes = routes
-        self.route_counts.update(routes)
-        if device is not None:
-            return None
-        if out is None:
-            out = self._transfer.download(self._out, q.shape)
-            if vec_layers:
-                out[vec_layers] = vec_out[vec_layers]
-        return out
+        return vec_layers, vec_out
 
     def rewind(self, position: int) -> None:
         """Drop every token at or after ``position`` (speculative-decoding rollback).

@@ -73,6 +73,37 @@ def test_step_device_gives_steps_bits(arch, geom, dist):
     assert dev.planes["swa"].state.origin_logical > 0 and dev.planes["nope"].state.capacity > 64  # wrapped, grew
 
 
+@pytest.mark.parametrize("geom", list(GEOMETRIES))
+def test_one_dispatch_step_gives_the_graph_routes_bits(arch, geom):
+    """The one-dispatch step (CUDA, Vulkan) against the same kernels launched one by one through the step
+    graph, on the same tokens, through the ring's wrap and NoPE plane growth (a growing step takes the
+    graph route): the same output bits, the same planes, step() and step_device() alike."""
+    probe = mt.Engine(geometry(**GEOMETRIES[geom]), arch=arch, pinned="off")
+    if not probe.one_dispatch_step:
+        pytest.skip(f"the one-dispatch step is a CUDA/Vulkan path; {probe.arch} takes the route-by-route one")
+    cfg = geometry(window=48, **GEOMETRIES[geom])
+    one = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=21, dist="peaked")
+    graph = mt.Engine(cfg, arch=arch, pinned="off")
+    graph._step_kernel = None  # every step through the graph route
+    prefill_both(one, graph, 40)
+    out = ti.ndarray(ti.f32, (cfg.n_layers, cfg.n_heads, cfg.head_dim))
+    grew = 0
+    for t in range(30):
+        q, k, v = one.token()
+        nope = one.eng.planes["nope"]
+        grows = nope.check_append(one.eng.position).capacity != nope.state.capacity
+        grew += grows
+        if t % 2:
+            one.eng.step_device(*device_arrays(q, k, v), out)
+            got = out.to_numpy()
+        else:
+            got = one.eng.step(q, k, v)
+        assert (one.eng.launches_last_step <= 2) != grows, t  # one dispatch (and the packed upload) unless it grew
+        np.testing.assert_array_equal(got, graph.step(q, k, v), err_msg=f"token {t}")
+    assert_same_state(one.eng, graph)
+    assert one.eng.planes["swa"].state.origin_logical > 0 and grew  # wrapped, grew
+
+
 @pytest.mark.parametrize("bad, fragment", [
     (lambda q, k, v: (q, k, np.where(np.arange(v.size).reshape(v.shape) == 77, np.nan, v)),
      "v: non-finite value nan at layer 0, kv head 1, d 13"),
@@ -93,10 +124,12 @@ def test_bad_device_token_is_refused_as_step_refuses_it(arch, bad, fragment):
     before, pos = s.eng.planes_snapshot(), s.eng.position
     q, k, v = bad(*s.token())
     out = ti.ndarray(ti.f32, q.shape)
+    out.fill(7.0)
     with pytest.raises(EngineError) as info:
         s.eng.step_device(*device_arrays(q, k, v), out)
     assert fragment in str(info.value)
     assert_cache_as_it_was(s.eng, before, pos)
+    assert (out.to_numpy() == 7.0).all()  # the one-dispatch step's reducers ask the scan's flags too
     # a value at the edge of the f16 range is accepted, and the session goes on
     q, k, v = s.token()
     k[0, 0, 0], v[1, 1, 1] = 65504.0, -65504.0
@@ -108,7 +141,9 @@ def test_bad_device_token_is_refused_as_step_refuses_it(arch, bad, fragment):
 def test_bad_device_token_leaves_the_cache_whether_or_not_the_step_grows_a_plane(arch, prefilled, grows):
     """A bad token is refused with the planes, their capacity and the position unchanged, on a step that
     would grow the NoPE plane as on one that would not; the token made good then goes through.  (Both
-    rows are bad: the NoPE row is the producer's fused store, the SWA row store_token's.)"""
+    rows are bad.  On CUDA and Vulkan the step that grows scans first and takes the graph route, where
+    the NoPE row is the producer's fused store and the SWA row store_token's; the other is the one
+    dispatch, whose store task asks the scan's flags.)"""
     cfg = geometry(window=64, **GEOMETRIES["gqa4-d64"])
     s = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=9)
     s.prefill(prefilled)

@@ -95,22 +95,39 @@ def build_token_scan(n_heads: int, n_kv: int, head_dim: int):
     H, KV, D = n_heads, n_kv, head_dim
 
     def build():
+        @ti.func
+        def check(q: ti.template(), k: ti.template(), v: ti.template(), flags: ti.template(), stamp, layer, r, d):
+            """Row r of [q heads | k heads | v heads] of a layer, dimension d."""
+            x, kind = 0.0, 0
+            if r < H:
+                x = q[layer, r, d]
+            elif r < H + KV:
+                x, kind = k[layer, r - H, d], 1
+            else:
+                x, kind = v[layer, r - H - KV, d], 2
+            a = ti.abs(x)
+            if not a <= F32_MAX:
+                ti.atomic_max(flags[kind], stamp)
+            elif kind > 0 and a > F16_MAX:
+                ti.atomic_max(flags[kind + 2], stamp)
+
         @ti.kernel
         def scan(q: f32_3d, k: f32_3d, v: f32_3d, flags: ti.types.ndarray(dtype=ti.i32, ndim=1), stamp: ti.i32):
             for layer, r, d in ti.ndrange(q.shape[0], H + 2 * KV, D):
-                x, kind = 0.0, 0
-                if r < H:
-                    x = q[layer, r, d]
-                elif r < H + KV:
-                    x, kind = k[layer, r - H, d], 1
-                else:
-                    x, kind = v[layer, r - H - KV, d], 2
-                a = ti.abs(x)
-                if not a <= F32_MAX:
-                    ti.atomic_max(flags[kind], stamp)
-                elif kind > 0 and a > F16_MAX:
-                    ti.atomic_max(flags[kind + 2], stamp)
+                check(q, k, v, flags, stamp, layer, r, d)
 
+        scan.check = check
         return scan
 
     return cached(("token_scan", H, KV, D), build)
+
+
+@ti.func
+def token_accepted(flags: ti.template(), stamp) -> ti.i32:
+    """1 unless the scan stamped ``stamp`` into a flag (build_token_scan): the gate of every write the
+    one-dispatch step makes (kernels/step_gpu.py)."""
+    ok = 1
+    for i in ti.static(range(TOKEN_FLAGS)):
+        if flags[i] == stamp:
+            ok = 0
+    return ok

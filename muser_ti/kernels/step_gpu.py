@@ -1,0 +1,99 @@
+"""The whole decode step as one Taichi dispatch on a GPU: the token scan, the stores, both producers and
+the reducers as five tasks (loops) of one kernel.
+
+Why one dispatch.  Every Taichi kernel launch costs the host more than the device work of a short
+step: Taichi sets each argument through its launch context, allocates and copies an argument buffer
+and looks the task up by name, ~10 us per dispatch plus ~2 us per array argument on the H200's host,
+~40 us for a producer (docs/PERF.md run 10).  The graph route launched the scan, read its flags, then
+replayed five dispatches (store, two producers, two reducers).  Here the arguments are set once and the
+tasks go out back to back; the device starts on the scan while the host still issues the later tasks.
+
+Why it stays exact.  The tasks are the same ti.funcs the separate kernels run (producer_gpu.work,
+merge's gpu_work, the scan's check), so every output bit is the graph route's.  Two things move:
+
+* the stores: both classes' current rows are written by one task of their own, before the producers,
+  instead of by store_token (SWA) and the interleaved producer's workgroup 0 (NoPE).  The interleaved
+  producer still takes the current row from the f32 activations (the bypass), and splitk reads it back
+  from the f16 plane as before;
+* the gate: the scan runs first and every write the step makes (the plane rows and ``out``) asks its
+  flags (stores.token_accepted), so a refused token leaves the planes and ``out`` as they were, and the
+  host reads the flags once, after the step (Engine.step_device).
+
+Where it applies: CUDA and Vulkan, a geometry with both layer classes, each on its default route
+(interleaved, splitk), and a step that grows no plane (the grow copy is not gated).  Every other step
+takes the graph route (Engine._commit_step).  Metal keeps the graph route: this kernel binds 15 arrays
+and could not be compiled or run for Metal on these machines.
+"""
+
+import taichi as ti
+
+from .common import HEAD_MAJOR, TOKEN_MAJOR, WORKGROUP_THREADS, cached, f16_plane, f32_3d, f32_4d, i32_1d
+from .merge import build_reduce
+from .producer import addressing, gpu_work
+from .stores import build_token_scan, token_accepted
+
+ONE_DISPATCH_ARCHS = ("cuda", "vulkan")
+
+
+def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int):
+    """The one-dispatch step for a geometry (compiled on its first launch, like every Taichi kernel)."""
+    D, KV, H = head_dim, n_kv, n_heads
+
+    def build():
+        nope_work, nope_plan = gpu_work(D, heads_per_kv, KV, HEAD_MAJOR, bypass=True)
+        swa_work, swa_plan = gpu_work(D, heads_per_kv, KV, TOKEN_MAJOR, bypass=False)
+        check = build_token_scan(H, KV, D).check
+        reduce_work = build_reduce(D, H, True, ti.f32).gpu_work
+        at_nope, at_swa = addressing(HEAD_MAJOR, KV), addressing(TOKEN_MAJOR, KV)
+        TN, TS, TR = nope_plan.T, swa_plan.T, WORKGROUP_THREADS
+
+        @ti.kernel
+        def step(
+            q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, out: f32_3d, flags: i32_1d, stamp: ti.i32,
+            position: ti.i32, scale: ti.f32,
+            # NoPE (interleaved): plane, partials, group, plane state, this token's row, split geometry
+            k_nope: f16_plane, v_nope: f16_plane, part_nope: f32_4d, layers_nope: i32_1d, slots_nope: i32_1d,
+            n_nope: ti.i32, window_nope: ti.i32, cap_nope: ti.i32, ol_nope: ti.i32, op_nope: ti.i32,
+            row_nope: ti.i32, nwg_nope: ti.i32, nsg_nope: ti.i32,
+            # SWA (splitk): the same for the ring
+            k_swa: f16_plane, v_swa: f16_plane, part_swa: f32_4d, layers_swa: i32_1d, slots_swa: i32_1d,
+            n_swa: ti.i32, window_swa: ti.i32, cap_swa: ti.i32, ol_swa: ti.i32, op_swa: ti.i32,
+            row_swa: ti.i32, nwg_swa: ti.i32, nsg_swa: ti.i32,
+        ):
+            # 1. the scan: flags[i] = stamp for a bad value (build_token_scan)
+            for layer, r, d in ti.ndrange(q.shape[0], H + 2 * KV, D):
+                check(q, k_cur, v_cur, flags, stamp, layer, r, d)
+            # 2. this token's rows in both classes' planes, if the scan passed it
+            for g, kvh, d in ti.ndrange(n_nope + n_swa, KV, D):
+                if token_accepted(flags, stamp):
+                    if g < n_nope:
+                        at_nope.fused_store(k_cur, v_cur, k_nope, v_nope, layers_nope[g], slots_nope[g], kvh,
+                                            row_nope, d)
+                    else:
+                        at_swa.fused_store(k_cur, v_cur, k_swa, v_swa, layers_swa[g - n_nope], slots_swa[g - n_nope],
+                                           kvh, row_swa, d)
+            # 3. the producers: [M, S, O] per (layer, head, workgroup); they write only the partials
+            ti.loop_config(block_dim=TN)
+            for t in range(n_nope * KV * nwg_nope * TN):
+                nope_work(t, q, k_cur, v_cur, k_nope, v_nope, part_nope, flags, layers_nope, slots_nope, position,
+                          window_nope, cap_nope, ol_nope, op_nope, nwg_nope, nsg_nope, scale)
+            ti.loop_config(block_dim=TS)
+            for t in range(n_swa * KV * nwg_swa * TS):
+                swa_work(t, q, k_cur, v_cur, k_swa, v_swa, part_swa, flags, layers_swa, slots_swa, position,
+                         window_swa, cap_swa, ol_swa, op_swa, nwg_swa, nsg_swa, scale)
+            # 4. both reducers in one task (a workgroup per layer and head, the NoPE layers first): out, if
+            # the scan passed the token.  (Two reducer tasks in one kernel fail Taichi 1.7.4's SPIR-V codegen,
+            # "Value tmpN does not yet exist"; one task also saves a launch.)
+            ti.loop_config(block_dim=TR)
+            for t in range((n_nope + n_swa) * H * TR):
+                if t < n_nope * H * TR:  # uniform across a workgroup: the reducer's barriers are safe
+                    reduce_work(t, part_nope, out, layers_nope, nwg_nope, token_accepted(flags, stamp))
+                else:
+                    reduce_work(t - n_nope * H * TR, part_swa, out, layers_swa, nwg_swa, token_accepted(flags, stamp))
+
+        return step
+
+    return cached(("one_dispatch_step", D, heads_per_kv, KV, H), build)
+
+
+__all__ = ["ONE_DISPATCH_ARCHS", "build_step_kernel"]
