@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -52,17 +53,17 @@ class Geometry:
     def heads_per_kv(self) -> int:
         return self.n_heads // self.n_kv_heads
 
-    @property
+    @cached_property  # a step asks for these; the geometry is frozen
     def layer_kinds(self) -> tuple[str, ...]:
         """Kind of every layer: the pattern repeated cyclically over n_layers."""
         p = self.layer_pattern
         return tuple(p[i % len(p)] for i in range(self.n_layers))
 
-    @property
+    @cached_property
     def swa_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k == SWA)
 
-    @property
+    @cached_property
     def nope_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k == NOPE)
 

@@ -16,9 +16,11 @@
 #   trace  a CUDA step's timeline through torch.profiler (kernels, gaps, driver calls) and its Python time
 #   cudaab CUDA steps on the tree in $AB_OLD and on this one
 #   launch what one Taichi dispatch costs the host on CUDA and Vulkan (scripts/tune_gpu.py launch)
+#   paths  the one-dispatch step against the graph route, one process per backend (tune_gpu.py paths)
 #   hostab steps and one deep layer on this tree and on the tree in $AB_OLD (an older commit), the
 #          trace on this one, then Vulkan steps on both
-# Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama) and .gl (libvulkan1...).
+# Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for
+# `tests` in parallel) and .gl (libvulkan1...).
 set -uo pipefail
 what=${1:-bench}
 if [ ! -d /tmp/site/taichi ]; then  # once per machine: later calls in the same command reuse it
@@ -106,12 +108,13 @@ ab_bench() {  # name, extra env..., args...: bench on the tree in $AB_OLD as old
     (cd "$tree" && export PYTHONPATH=/tmp/site:$PWD && bench "$tag-$name" "${@//@JSON@/$OUT/$tag-$name.json}")
   done
 }
-AB_STEPS="timeout 90 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,131072 --repeats 15 --json @JSON@"
+AB_STEPS="timeout 150 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,131072 --repeats 15 --json @JSON@"
 if [ "$what" = cudaab ]; then  # CUDA steps on the tree in $AB_OLD, then on this one, in one call
   ab_bench cuda-steps $AB_STEPS
 fi
-if [ "$what" = tests ]; then
-  timeout 560 python3 -m pytest -q -p no:cacheprovider --arch cuda --arch vulkan tests/ 2>&1 | tee "$OUT/tests.log" | tail -25
+if [ "$what" = tests ]; then  # with pytest-xdist carried in .whl, TEST_WORKERS processes (compiles dominate)
+  workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-8}")
+  timeout 560 python3 -m pytest -q -p no:cacheprovider $workers --arch cuda --arch vulkan tests/ 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
 ptx_report() {  # registers and spills of every producer module Taichi printed (MUSER_TI_PRINT_ASM=1)
   local ptxas; ptxas=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
@@ -175,6 +178,19 @@ if [ "$what" = launch ]; then
   for arch in cuda vulkan; do
     timeout 100 python3 scripts/tune_gpu.py launch --arch $arch --json "$OUT/launch-$arch.json" > "$OUT/launch-$arch.log" 2>&1
     echo "== launch $arch rc=$?"; grep -E '^\{' "$OUT/launch-$arch.log" | cut -c1-260
+  done
+fi
+if [ "$what" = paths ]; then
+  for arch in cuda vulkan; do
+    timeout ${PATHS_TIMEOUT:-200} python3 scripts/tune_gpu.py paths --arch $arch --depths ${PATHS_DEPTHS:-2048,131072} \
+      --rounds 3 --repeats 10 --json "$OUT/paths-$arch.json" > "$OUT/paths-$arch.log" 2>&1
+    echo "== paths $arch rc=$?"; grep -E '^\{' "$OUT/paths-$arch.log" | python3 -c '
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l)
+    print("  %-7s %6d %-12s %-11s %8.0f us  graph.run %6.0f us  rounds %s  launches %s" % (r["arch"], r["depth"],
+          r["path"], r["way"], r["median_us"], r["graph_run_us"], " ".join("%.0f" % x for x in r["round_medians_us"]),
+          r["launches"]))'
   done
 fi
 if [ "$what" = hostab ]; then  # AB_OLD=build/ab_old: `git archive <commit> muser_ti scripts configs pyproject.toml`

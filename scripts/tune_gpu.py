@@ -5,6 +5,7 @@
     python scripts/tune_gpu.py step --arch cuda --depth 2048
     python scripts/tune_gpu.py trace --depths 2048,131072 --trace-dir out/traces
     python scripts/tune_gpu.py launch --arch cuda
+    python scripts/tune_gpu.py paths --arch cuda --depths 2048,131072
 
 tiles: one NoPE layer (interleaved producer + reducer) per depth, prefilled once; every tile variant
 (a MUSER_GPU_TILE string, "" = the default plan) is built, checked against the float64 reference on
@@ -23,6 +24,13 @@ Taichi launches through the driver API on the primary context, so CUPTI sees its
 launch: what one Taichi dispatch costs the host, apart from any kernel's work: graphs of 1 and 8
 dispatches of a one-thread kernel with 2, 10 scalar or 7 array arguments, timed without a sync (the
 host's issue time) and with one; and the same kernels called from Python.
+
+paths: the one-dispatch step (kernels/step_gpu.py) against the graph route, in one process and on the
+same engine, in alternating rounds of each: step() and step_device(), to the device's completion,
+with the host's time inside Taichi's graph launch (C++ included).  Run 11 also kept the CUDA driver's
+default memory pool (Taichi's per-launch buffers) across synchronisations: no change, so it is gone.
+Between processes on the lent H200 the host's speed moved torch's launch-bound step by 1.7x (run 11),
+more than the difference measured here.
 
 Every figure is a median; rows are printed as JSON lines and written to --json.
 """
@@ -43,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import muser_ti as mt  # noqa: E402
 from bench import (cupti_layer_row, device_token, layer_geometry, median_time as median_s, prefill,  # noqa: E402
-                   random_token)
+                   random_token, rewound_median)
 from cupti import profile_calls, summarize_trace  # noqa: E402
 from muser_ti.kernels.common import HEAD_MAJOR  # noqa: E402
 from muser_ti.kernels.producer import addressing  # noqa: E402
@@ -303,15 +311,63 @@ def launch(args, rows) -> None:
     emit({"what": "launch cost", "arch": args.arch, "idle_sync_us": median_s(ti.sync, args.repeats * 4) * 1e6}, rows)
 
 
+def paths(args, rows) -> None:
+    """One-dispatch step against the graph route: see the module docstring."""
+    import taichi as ti
+    from taichi.graph import _graph
+
+    cfg = mt.load_config(args.config)
+    rng = np.random.default_rng(args.seed)
+    in_run = [0.0]
+    run = _graph.Graph.run
+
+    def timed_run(self, values):  # the host's time in Taichi's graph launch (C++ included)
+        t0 = time.perf_counter()
+        run(self, values)
+        in_run[0] += time.perf_counter() - t0
+
+    _graph.Graph.run = timed_run
+    for depth in args.depths:
+        eng = mt.Engine(cfg, arch=args.arch, pinned="off")
+        if not eng.one_dispatch_step:
+            raise SystemExit(f"paths: {eng.arch} has no one-dispatch step")
+        prefill(eng, depth - 1, rng)
+        base = eng.position
+        q, k, v = random_token(cfg, rng)
+        dev = device_token(q, k, v)
+        out = ti.ndarray(ti.f32, q.shape)
+        one = eng._step_kernel
+        calls = {"step": lambda: (eng.step(q, k, v), ti.sync()),
+                 "step_device": lambda: (eng.step_device(*dev, out), ti.sync())}
+        times, launches, runs = {}, {}, {}
+        for _ in range(args.rounds):
+            for path, kernel in (("one dispatch", one), ("graph route", None)):
+                eng._step_kernel = kernel
+                for way, call in calls.items():
+                    eng.rewind(base)
+                    in_run[0] = 0.0
+                    times.setdefault((path, way), []).append(rewound_median(eng, call, args.repeats, warmup=2,
+                                                                            settle=ti.sync))
+                    runs.setdefault((path, way), []).append(in_run[0] / (args.repeats + 2))
+                    launches[path, way] = eng.launches_last_step
+        eng._step_kernel = one
+        for (path, way), ts in times.items():
+            emit({"what": "step path", "arch": eng.arch, "depth": depth, "path": path, "way": way,
+                  "median_us": statistics.median(ts) * 1e6, "round_medians_us": [t * 1e6 for t in ts],
+                  "graph_run_us": statistics.median(runs[path, way]) * 1e6, "launches": launches[path, way]}, rows)
+    _graph.Graph.run = run
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("tiles", "step", "trace", "launch"))
+    ap.add_argument("mode", choices=("tiles", "step", "trace", "launch", "paths"))
     ap.add_argument("--arch", default="cuda")
     ap.add_argument("--config", default="glimmer.yaml")
-    ap.add_argument("--depths", default="2048,131072", help="tiles, trace: comma-separated key counts")
+    ap.add_argument("--depths", default="2048,131072", help="tiles, trace, paths: comma-separated key counts")
     ap.add_argument("--depth", type=int, default=2048, help="step: the depth")
     ap.add_argument("--variants", default="", help='tiles: MUSER_GPU_TILE strings separated by ";" ("" = default)')
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=5, help="paths: alternating rounds of each path")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace-dir", default="out/traces", help="trace: where the chrome traces go")
     ap.add_argument("--layers", action="store_true", help="trace: also one NoPE layer's kernels per depth")
@@ -320,7 +376,7 @@ def main(argv=None) -> int:
     args.depths = [int(x) for x in args.depths.split(",") if x]
     args.variants = args.variants.split(";")
     rows: list = []
-    {"tiles": tiles, "step": step, "trace": trace, "launch": launch}[args.mode](args, rows)
+    {"tiles": tiles, "step": step, "trace": trace, "launch": launch, "paths": paths}[args.mode](args, rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=1))
