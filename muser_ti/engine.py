@@ -131,7 +131,9 @@ class Engine:
         self._interleaved, self._reduce_v2 = build_interleaved(D, G, KV, H, gpu)
         self._stores = {kind: build_stores(D, KV, LAYOUT_OF[kind]) for kind in self.planes}
         self._gpu = gpu
-        self._partials: dict[int, object] = {}  # group size -> [n_group, H, workgroups, 2 + D] scratch
+        # (class, group size) -> [n_group, H, workgroups, 2 + D] scratch: one per class, as the one-dispatch
+        # step runs both producers before either reducer
+        self._partials: dict[tuple[str, int], object] = {}
         self._no_visits = ti.ndarray(ti.i32, (1, 1))
         self._token_shape = {"q": (g.n_layers, H, D), "k": (g.n_layers, KV, D), "v": (g.n_layers, KV, D),
                              "out": (g.n_layers, H, D)}
@@ -465,7 +467,7 @@ class Engine:
             st, grp = new_states[kind], self._group(self.planes[kind].layers)
             _, visible = visible_span(self.cfg, kind, p)
             nwg, nsg = self.split_geometry(visible, len(grp.layers))
-            args += [self._k[kind], self._v[kind], self._partials_for(len(grp.layers), nwg), grp.layers_dev,
+            args += [self._k[kind], self._v[kind], self._partials_for(kind, len(grp.layers), nwg), grp.layers_dev,
                      grp.slots_dev, len(grp.layers), window_of(self.cfg, kind), st.capacity, st.origin_logical,
                      st.origin_physical, st.physical(p), nwg, nsg]
         self._launch(self._step_kernel, *args)
@@ -606,13 +608,13 @@ class Engine:
             self.mirror.grow(kind, capacity)
         self._set_state(kind, ps.state.with_capacity(capacity))
 
-    def _partials_for(self, n_group: int, nwg: int):
+    def _partials_for(self, kind: str, n_group: int, nwg: int):
         """Partials scratch for a group, grown (to a power of two workgroups) when a launch needs more."""
-        buf = self._partials.get(n_group)
+        buf = self._partials.get((kind, n_group))
         if buf is None or buf.shape[2] < nwg:
             cap = max(MAX_WORKGROUPS, 1 << (nwg - 1).bit_length())
             g = self.cfg
-            buf = self._partials[n_group] = ti.ndarray(ti.f32, (n_group, g.n_heads, cap, 2 + g.head_dim))
+            buf = self._partials[kind, n_group] = ti.ndarray(ti.f32, (n_group, g.n_heads, cap, 2 + g.head_dim))
         return buf
 
     def split_geometry(self, visible: int, n_group: int) -> tuple[int, int]:
@@ -626,7 +628,7 @@ class Engine:
         grp = self._group(layers)
         _, visible = visible_span(self.cfg, kind, p)
         nwg, nsg = self.split_geometry(visible, len(layers))
-        partials = self._partials_for(len(layers), nwg)
+        partials = self._partials_for(kind, len(layers), nwg)
         self._launch(producer, self._q_dev, k_dev, v_dev, self._k[kind], self._v[kind], partials, self._no_visits,
                  grp.layers_dev, grp.slots_dev, len(layers), p, window_of(self.cfg, kind), st.capacity,
                  st.origin_logical, st.origin_physical, nwg, nsg, self.cfg.attention_scale)

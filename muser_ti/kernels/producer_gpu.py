@@ -213,7 +213,7 @@ def tile_overrides(text: str | None = None) -> dict[str, int]:
 
 
 def gpu_producer_work(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at, fused_store: bool):
-    """The GPU producer's per-thread work, a ti.func of the launch's thread index t; ``at`` is the
+    """The GPU producer's per-thread work, a ti.func of a thread and its work item; ``at`` is the
     layout's addressing (producer.addressing).  fused_store: workgroup 0 of each work item writes the
     current token's row into the plane (the interleaved route); the one-dispatch step (step_gpu.py)
     stores in a task of its own instead, behind the token scan's flags."""
@@ -329,21 +329,15 @@ def gpu_producer_work(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at,
         return nxt
 
     @ti.func
-    def work(t, q: ti.template(), k_cur: ti.template(), v_cur: ti.template(), k_plane: ti.template(),
-             v_plane: ti.template(), partials: ti.template(), visits: ti.template(), layers: ti.template(),
-             slots: ti.template(), position, window, capacity, origin_logical, origin_physical, nwg, nsg, scale):
-        """Thread t of the launch: work item t // T (a layer, KV head and workgroup), thread t % T."""
-        tid = umod(t, T)
-        g, kvh, wg, logical_start, visible = at.work_item(udiv(t, T), nwg, position, window)
+    def work(tid, item, shared: ti.template(), q: ti.template(), k_cur: ti.template(), v_cur: ti.template(),
+             k_plane: ti.template(), v_plane: ti.template(), partials: ti.template(), visits: ti.template(),
+             layers: ti.template(), slots: ti.template(), position, window, capacity, origin_logical, origin_physical,
+             nwg, nsg, scale):
+        """Thread tid of work item ``item`` (a layer, KV head and workgroup), in the workgroup's ``shared``
+        arrays (shared_arrays(plan), declared by the caller's loop)."""
+        g, kvh, wg, logical_start, visible = at.work_item(item, nwg, position, window)
         layer, slot = layers[g], slots[g]
-
-        q_sh = ti.simt.block.SharedArray((G * D,), ti.f32)
-        buf = ti.simt.block.SharedArray((p.BUF,), ti.f32)  # K chunk [R][KS] | V chunk [VR][VS] | O slices
-        w_sh = ti.simt.block.SharedArray((G * WS,), ti.f32)  # weights [h][r]
-        part = ti.simt.block.SharedArray((G * RG,), ti.f32)  # per (head, row group): max, then sum
-        part2 = ti.simt.block.SharedArray((G * L2,), ti.f32)
-        state = ti.simt.block.SharedArray((2 * G,), ti.f32)  # running max M, this tile's factor
-        rows_sh = ti.simt.block.SharedArray((R,), ti.i32)
+        q_sh, buf, w_sh, part, part2, state, rows_sh = shared
 
         if ti.static(fused_store):
             if wg == 0:
@@ -512,6 +506,22 @@ def gpu_producer_work(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at,
     return work
 
 
+def shared_arrays(plan: TilePlan) -> tuple:
+    """The producer's shared memory for one workgroup, declared where it is called: in the body of the
+    launch's loop, once per task.  A task that runs two producers (step_gpu.py) declares them once for
+    both; Taichi 1.7.4 names a shared array after its statement id, which restarts in every task of a
+    CUDA kernel, so shared arrays in two tasks of one kernel alias each other (an illegal address on the
+    H200 where their sizes differed, docs/PERF.md run 11)."""
+    G, D, R, RG, L2 = plan.G, plan.D, plan.R, plan.RG, plan.L2
+    return (ti.simt.block.SharedArray((G * D,), ti.f32),  # q_sh: the group's queries
+            ti.simt.block.SharedArray((plan.BUF,), ti.f32),  # buf: K chunk [R][KS] | V chunk [VR][VS] | O slices
+            ti.simt.block.SharedArray((G * (R + 1),), ti.f32),  # w_sh: weights [h][r]
+            ti.simt.block.SharedArray((G * RG,), ti.f32),  # part: per (head, row group): max, then sum
+            ti.simt.block.SharedArray((G * L2,), ti.f32),  # part2
+            ti.simt.block.SharedArray((2 * G,), ti.f32),  # state: running max M, this tile's factor
+            ti.simt.block.SharedArray((R,), ti.i32))  # rows_sh: the tile's physical rows
+
+
 def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at):
     """The GPU producer kernel: one launch of gpu_producer_work, T threads per work item."""
     work = gpu_producer_work(plan, n_kv, bypass, record, at, fused_store=bypass)
@@ -527,11 +537,11 @@ def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at
     ):
         ti.loop_config(block_dim=T)
         for t in range(n_group * n_kv * nwg * T):
-            work(t, q, k_cur, v_cur, k_plane, v_plane, partials, visits, layers, slots, position, window, capacity,
-                 origin_logical, origin_physical, nwg, nsg, scale)
+            work(umod(t, T), udiv(t, T), ti.static(shared_arrays(plan)), q, k_cur, v_cur, k_plane, v_plane, partials,
+                 visits, layers, slots, position, window, capacity, origin_logical, origin_physical, nwg, nsg, scale)
 
     return producer
 
 
 __all__ = ["GPU_PRODUCER_THREADS", "SHARED_BUDGET_BYTES", "TilePlan", "build_gpu_producer", "describe_plans",
-           "gpu_producer_work", "gpu_tile_plan", "tile_overrides"]
+           "gpu_producer_work", "gpu_tile_plan", "shared_arrays", "tile_overrides"]

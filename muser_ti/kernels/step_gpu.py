@@ -1,5 +1,5 @@
-"""The whole decode step as one Taichi dispatch on a GPU: the token scan, the stores, both producers and
-the reducers as five tasks (loops) of one kernel.
+"""The whole decode step as one Taichi dispatch on a GPU: the token scan, the stores, the producers and
+the reducers as four tasks (loops) of one kernel.
 
 Why one dispatch.  Every Taichi kernel launch costs the host more than the device work of a short
 step: Taichi sets each argument through its launch context, allocates and copies an argument buffer
@@ -8,7 +8,12 @@ and looks the task up by name, ~10 us per dispatch plus ~2 us per array argument
 replayed five dispatches (store, two producers, two reducers).  Here the arguments are set once and the
 tasks go out back to back; the device starts on the scan while the host still issues the later tasks.
 
-Why it stays exact.  The tasks are the same ti.funcs the separate kernels run (producer_gpu.work,
+Only one task may declare shared memory: Taichi 1.7.4 names a CUDA shared array after its statement
+id, the ids restart in every task, and the tasks are linked into one module, so two tasks' arrays
+alias (producer_gpu.shared_arrays).  Both producers therefore share one task and one set of arrays,
+and the reducer uses none.
+
+Why it stays exact.  The tasks run the same ti.funcs the separate kernels run (producer_gpu.work,
 merge's gpu_work, the scan's check), so every output bit is the graph route's.  Two things move:
 
 * the stores: both classes' current rows are written by one task of their own, before the producers,
@@ -27,9 +32,10 @@ and could not be compiled or run for Metal on these machines.
 
 import taichi as ti
 
-from .common import HEAD_MAJOR, TOKEN_MAJOR, WORKGROUP_THREADS, cached, f16_plane, f32_3d, f32_4d, i32_1d
+from .common import HEAD_MAJOR, TOKEN_MAJOR, cached, f16_plane, f32_3d, f32_4d, i32_1d
 from .merge import build_reduce
 from .producer import addressing, gpu_work
+from .producer_gpu import shared_arrays, udiv, umod
 from .stores import build_token_scan, token_accepted
 
 ONE_DISPATCH_ARCHS = ("cuda", "vulkan")
@@ -40,12 +46,13 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int)
     D, KV, H = head_dim, n_kv, n_heads
 
     def build():
-        nope_work, nope_plan = gpu_work(D, heads_per_kv, KV, HEAD_MAJOR, bypass=True)
+        nope_work, plan = gpu_work(D, heads_per_kv, KV, HEAD_MAJOR, bypass=True)
         swa_work, swa_plan = gpu_work(D, heads_per_kv, KV, TOKEN_MAJOR, bypass=False)
+        assert swa_plan == plan  # the tile depends on the group shape only: one set of shared arrays serves both
         check = build_token_scan(H, KV, D).check
         reduce_work = build_reduce(D, H, True, ti.f32).gpu_work
         at_nope, at_swa = addressing(HEAD_MAJOR, KV), addressing(TOKEN_MAJOR, KV)
-        TN, TS, TR = nope_plan.T, swa_plan.T, WORKGROUP_THREADS
+        T = plan.T
 
         @ti.kernel
         def step(
@@ -72,24 +79,27 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int)
                     else:
                         at_swa.fused_store(k_cur, v_cur, k_swa, v_swa, layers_swa[g - n_nope], slots_swa[g - n_nope],
                                            kvh, row_swa, d)
-            # 3. the producers: [M, S, O] per (layer, head, workgroup); they write only the partials
-            ti.loop_config(block_dim=TN)
-            for t in range(n_nope * KV * nwg_nope * TN):
-                nope_work(t, q, k_cur, v_cur, k_nope, v_nope, part_nope, flags, layers_nope, slots_nope, position,
-                          window_nope, cap_nope, ol_nope, op_nope, nwg_nope, nsg_nope, scale)
-            ti.loop_config(block_dim=TS)
-            for t in range(n_swa * KV * nwg_swa * TS):
-                swa_work(t, q, k_cur, v_cur, k_swa, v_swa, part_swa, flags, layers_swa, slots_swa, position,
-                         window_swa, cap_swa, ol_swa, op_swa, nwg_swa, nsg_swa, scale)
-            # 4. both reducers in one task (a workgroup per layer and head, the NoPE layers first): out, if
-            # the scan passed the token.  (Two reducer tasks in one kernel fail Taichi 1.7.4's SPIR-V codegen,
-            # "Value tmpN does not yet exist"; one task also saves a launch.)
-            ti.loop_config(block_dim=TR)
-            for t in range((n_nope + n_swa) * H * TR):
-                if t < n_nope * H * TR:  # uniform across a workgroup: the reducer's barriers are safe
+            # 3. both producers in one task, NoPE work items first (uniform per workgroup), in one set of
+            # shared arrays: [M, S, O] per (layer, head, workgroup); they write only the partials
+            ti.loop_config(block_dim=T)
+            for t in range((n_nope * nwg_nope + n_swa * nwg_swa) * KV * T):
+                tid, item = umod(t, T), udiv(t, T)
+                shared = ti.static(shared_arrays(plan))  # declared here, in the loop body, once for both
+                if item < n_nope * KV * nwg_nope:
+                    nope_work(tid, item, shared, q, k_cur, v_cur, k_nope, v_nope, part_nope, flags, layers_nope,
+                              slots_nope, position, window_nope, cap_nope, ol_nope, op_nope, nwg_nope, nsg_nope, scale)
+                else:
+                    swa_work(tid, item - n_nope * KV * nwg_nope, shared, q, k_cur, v_cur, k_swa, v_swa, part_swa, flags,
+                             layers_swa, slots_swa, position, window_swa, cap_swa, ol_swa, op_swa, nwg_swa, nsg_swa,
+                             scale)
+            # 4. both reducers in one task, a thread per (layer, head, dim), NoPE layers first: out, if the scan
+            # passed the token.  (Two reducer tasks in one kernel failed Taichi 1.7.4's SPIR-V codegen with
+            # "Value tmpN does not yet exist" while the reducer had shared arrays.)
+            for t in range((n_nope + n_swa) * H * D):
+                if t < n_nope * H * D:
                     reduce_work(t, part_nope, out, layers_nope, nwg_nope, token_accepted(flags, stamp))
                 else:
-                    reduce_work(t - n_nope * H * TR, part_swa, out, layers_swa, nwg_swa, token_accepted(flags, stamp))
+                    reduce_work(t - n_nope * H * D, part_swa, out, layers_swa, nwg_swa, token_accepted(flags, stamp))
 
         return step
 
