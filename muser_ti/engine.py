@@ -22,7 +22,7 @@ from .kernels.common import HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, on_gpu
 from .kernels.interleaved import build_interleaved
 from .kernels.splitk import build_splitk, gpu_split_geometry, splitk_geometry
 from .kernels.step_gpu import ONE_DISPATCH_ARCHS, build_step_kernel
-from .kernels.stores import TOKEN_FLAGS, build_stores, build_token_scan, build_unpack
+from .kernels.stores import NEVER_STAMPED, TOKEN_FLAGS, build_stores, build_token_scan, build_unpack
 from .planes import PlaneError, PlaneSet, PlaneState, plane_shape, ring_rows_to_write, visible_span, window_of
 from .reference import attend
 from .transfer import Transfer
@@ -438,7 +438,7 @@ class Engine:
             out_dev = out if out is not None else self._out
         vec_layers, vec_out = [], out
         if one_dispatch:
-            self._launch_one_dispatch(p, new_states, k_dev, v_dev, out_dev)
+            self._launch_one_dispatch(p, new_states, k_dev, v_dev, out_dev, gated)
         else:
             vec_layers, vec_out = self._launch_routes(p, new_states, routes, q, k_dev, v_dev, out, out_dev)
         if self._recorded is not None:
@@ -459,10 +459,14 @@ class Engine:
                 out[vec_layers] = vec_out[vec_layers]
         return out
 
-    def _launch_one_dispatch(self, p, new_states, k_dev, v_dev, out_dev) -> None:
-        """The step as one dispatch (kernels/step_gpu.py): scan, stores, both producers, both reducers."""
-        self._scans += 1
-        args = [self._q_dev, k_dev, v_dev, out_dev, self._token_flags, self._scans, p, self.cfg.attention_scale]
+    def _launch_one_dispatch(self, p, new_states, k_dev, v_dev, out_dev, gated: bool) -> None:
+        """The step as one dispatch (kernels/step_gpu.py): scan, stores, both producers, both reducers.
+        gated: the writes ask the scan's flags (a fresh stamp); else the host has checked the token and the
+        stamp is one no flag ever holds, so nothing the scan finds can hold a write back."""
+        if gated:
+            self._scans += 1
+        stamp = self._scans if gated else NEVER_STAMPED
+        args = [self._q_dev, k_dev, v_dev, out_dev, self._token_flags, stamp, p, self.cfg.attention_scale]
         for kind in (NOPE, SWA):
             st, grp = new_states[kind], self._group(self.planes[kind].layers)
             _, visible = visible_span(self.cfg, kind, p)

@@ -82,6 +82,7 @@ def build_unpack(n_heads: int, n_kv: int, head_dim: int):
 
 
 TOKEN_FLAGS = 5  # non-finite q, k, v values; k, v values outside the f16 range (|x| > 65504)
+NEVER_STAMPED = -1  # flags start at 0 and only rise (atomic_max of stamps >= 1): no flag ever equals it
 F16_MAX = 65504.0
 F32_MAX = 3.4028234663852886e38
 
