@@ -54,8 +54,8 @@ from bench import (cupti_layer_row, device_token, layer_geometry, median_time as
                    random_token, rewound_median)
 from cupti import profile_calls, summarize_trace  # noqa: E402
 from muser_ti.kernels.common import HEAD_MAJOR  # noqa: E402
-from muser_ti.kernels.producer import addressing  # noqa: E402
-from muser_ti.kernels.producer_gpu import SHARED_BUDGET_BYTES, build_gpu_producer, gpu_tile_plan, tile_overrides  # noqa: E402
+from muser_ti.kernels.producer import addressing, build_gpu_producer  # noqa: E402
+from muser_ti.kernels.producer_gpu import SHARED_BUDGET_BYTES, gpu_tile_plan, tile_overrides  # noqa: E402
 from muser_ti.reference import relative_error  # noqa: E402
 from muser_ti.tolerances import F32_ROUTE_RTOL  # noqa: E402
 

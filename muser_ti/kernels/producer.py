@@ -33,7 +33,7 @@ import taichi as ti
 
 from .. import backend
 from .common import BLOCK_ROWS, HEAD_MAJOR, RUNNING_MAX_INIT, TOKEN_MAJOR, VISIT_OWNER, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d
-from .producer_gpu import SHARED_BUDGET_BYTES, build_gpu_producer, gpu_producer_work, gpu_tile_plan, tile_overrides
+from .producer_gpu import SHARED_BUDGET_BYTES, gpu_producer_work, gpu_tile_plan, shared_arrays, tile_overrides, udiv, umod
 
 
 
@@ -83,7 +83,41 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
     at = addressing(layout, n_kv)
     if gpu:
         return build_gpu_producer(active_tile_plan(head_dim, heads_per_kv), n_kv, bypass, record, at)
-    return _build_cpu_producer(head_dim, heads_per_kv, n_kv, bypass, record, at)
+    return producer_kernel(n_kv, cpu_item=_cpu_item_work(head_dim, heads_per_kv, n_kv, bypass, record, at))
+
+
+def build_gpu_producer(plan, n_kv: int, bypass: bool, record: bool, at):
+    """The GPU producer for a tile plan (scripts/tune_gpu.py builds variants with plans of its own)."""
+    return producer_kernel(n_kv, gpu=(plan, gpu_producer_work(plan, bypass, record, at, fused_store=bypass)))
+
+
+def producer_kernel(n_kv: int, cpu_item=None, gpu=None):
+    """The producer kernel, one signature for both paths: the CPU runs ``cpu_item`` (a ti.func of a work
+    item) once per work item; a GPU runs ``gpu`` = (plan, work), T threads per work item, each with
+    the workgroup's shared arrays (producer_gpu.shared_arrays)."""
+    plan, work = gpu if gpu is not None else (None, None)
+    T, gpu_path = (plan.T, True) if plan is not None else (1, False)
+
+    @ti.kernel
+    def producer(
+        q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, k_plane: f16_plane, v_plane: f16_plane,
+        partials: f32_4d, visits: i32_2d,
+        layers: i32_1d, slots: i32_1d, n_group: ti.i32,
+        position: ti.i32, window: ti.i32, capacity: ti.i32, origin_logical: ti.i32, origin_physical: ti.i32,
+        nwg: ti.i32, nsg: ti.i32, scale: ti.f32,
+    ):
+        if ti.static(gpu_path):
+            ti.loop_config(block_dim=T)
+            for t in range(n_group * n_kv * nwg * T):
+                work(umod(t, T), udiv(t, T), ti.static(shared_arrays(plan)), q, k_cur, v_cur, k_plane, v_plane,
+                     partials, visits, layers, slots, position, window, capacity, origin_logical, origin_physical,
+                     nwg, nsg, scale)
+        else:
+            for item in range(n_group * n_kv * nwg):  # one work item per (layer, kv head, workgroup)
+                cpu_item(item, q, k_cur, v_cur, k_plane, v_plane, partials, visits, layers, slots, position, window,
+                         capacity, origin_logical, origin_physical, nwg, nsg, scale)
+
+    return producer
 
 
 def active_tile_plan(head_dim: int, heads_per_kv: int):
@@ -95,11 +129,12 @@ def gpu_work(head_dim: int, heads_per_kv: int, n_kv: int, layout: str, bypass: b
     """(per-thread work, tile plan) of the GPU producer for the one-dispatch step (step_gpu.py): the
     producer's ti.func without its fused store, which that step makes a task of its own."""
     plan = active_tile_plan(head_dim, heads_per_kv)
-    return gpu_producer_work(plan, n_kv, bypass, False, addressing(layout, n_kv), fused_store=False), plan
+    return gpu_producer_work(plan, bypass, False, addressing(layout, n_kv), fused_store=False), plan
 
 
-def _build_cpu_producer(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, record: bool, at):
-    D, G, KV = head_dim, heads_per_kv, n_kv
+def _cpu_item_work(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, record: bool, at):
+    """The CPU producer's work for one work item, a ti.func (producer_kernel runs it per item)."""
+    D, G = head_dim, heads_per_kv
     C = BLOCK_ROWS
     CPU_ROWS = 4  # K/V rows per register block (divides BLOCK_ROWS)
 
@@ -119,129 +154,125 @@ def _build_cpu_producer(head_dim: int, heads_per_kv: int, n_kv: int, bypass: boo
             nc = 0
         return nb, nc
 
-    @ti.kernel
-    def producer(
-        q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, k_plane: f16_plane, v_plane: f16_plane,
-        partials: f32_4d, visits: i32_2d,
-        layers: i32_1d, slots: i32_1d, n_group: ti.i32,
-        position: ti.i32, window: ti.i32, capacity: ti.i32, origin_logical: ti.i32, origin_physical: ti.i32,
-        nwg: ti.i32, nsg: ti.i32, scale: ti.f32,
-    ):
-        # one work item per (layer, kv head, workgroup), serial inside
-        for item in range(n_group * KV * nwg):
-            g, kvh, wg, logical_start, visible = at.work_item(item, nwg, position, window)
-            layer, slot = layers[g], slots[g]
-            n_blocks = (visible + C - 1) // C
-            if ti.static(bypass):
-                if wg == 0:
-                    row = at.physical_of(position, capacity, origin_logical, origin_physical)
-                    for d in range(D):
-                        at.fused_store(k_cur, v_cur, k_plane, v_plane, layer, slot, kvh, row, d)
-            # Everything hot lives in local (stack) arrays, vectorised across the G sibling heads:
-            # qT[d, h] and OT[d, h] keep the heads contiguous, so the static head loops below
-            # become 8-wide SIMD (no reductions over d, so no fast-math reassociation needed).
-            qT = ti.Matrix.zero(ti.f32, D, G)
-            OT = ti.Matrix.zero(ti.f32, D, G)
-            P = ti.Matrix.zero(ti.f32, C, G)  # scores, then softmax weights, of one block
-            m = ti.Vector([RUNNING_MAX_INIT] * G)
-            s = ti.Vector([0.0] * G)
-            for d in range(D):
-                for h in ti.static(range(G)):
-                    qT[d, h] = q[layer, kvh * G + h, d]
-            block = wg * nsg
-            chunk_pos = 0
-            while block < n_blocks:
-                if ti.static(record):
-                    ti.atomic_add(visits[g, block], 1 + VISIT_OWNER * wg)
-                first = block * C
-                count = ti.min(C, visible - first)
-                # scores: CPU_ROWS rows at a time (a partial tail repeats the last row, unused)
-                for rr in range((count + CPU_ROWS - 1) // CPU_ROWS):
-                    logicals = ti.Vector([0] * CPU_ROWS)
-                    physs = ti.Vector([0] * CPU_ROWS)
-                    for j in ti.static(range(CPU_ROWS)):
-                        logicals[j] = logical_start + first + ti.min(rr * CPU_ROWS + j, count - 1)
-                        physs[j] = at.physical_of(logicals[j], capacity, origin_logical, origin_physical)
-                    acc = ti.Matrix.zero(ti.f32, CPU_ROWS, G)
-                    for d in range(D):
-                        for j in ti.static(range(CPU_ROWS)):
-                            kd = row_value(k_plane, slot, kvh, physs[j], d)
-                            for h in ti.static(range(G)):
-                                acc[j, h] = acc[j, h] + qT[d, h] * kd
-                    for j in ti.static(range(CPU_ROWS)):
-                        for h in ti.static(range(G)):
-                            P[rr * CPU_ROWS + j, h] = acc[j, h] * scale
-                # the bypass: the current token's row (if in this block) scores against the f32
-                # activations, not the plane slot read above (which wg 0 may be rewriting)
-                r_cur = position - (logical_start + first)
-                if ti.static(bypass):
-                    if r_cur < count:
-                        cur = ti.Vector([0.0] * G)
-                        for d in range(D):
-                            kd = k_cur[layer, kvh, d]
-                            for h in ti.static(range(G)):
-                                cur[h] = cur[h] + qT[d, h] * kd
-                        for h in ti.static(range(G)):
-                            P[r_cur, h] = cur[h] * scale
-                # online softmax per block: block max, rescale, weights
-                factor = ti.Vector([0.0] * G)
-                for h in ti.static(range(G)):
-                    block_max = P[0, h]
-                    for r in range(1, count):
-                        block_max = ti.max(block_max, P[r, h])
-                    new_max = ti.max(m[h], block_max)
-                    factor[h] = ti.exp(m[h] - new_max)
-                    m[h] = new_max
-                    s[h] *= factor[h]
-                for r in range(count):
-                    for h in ti.static(range(G)):
-                        w = ti.exp(P[r, h] - m[h])
-                        P[r, h] = w
-                        s[h] += w
+    @ti.func
+    def item_work(item, q: ti.template(), k_cur: ti.template(), v_cur: ti.template(), k_plane: ti.template(),
+                  v_plane: ti.template(), partials: ti.template(), visits: ti.template(), layers: ti.template(),
+                  slots: ti.template(), position, window, capacity, origin_logical, origin_physical, nwg, nsg, scale):
+        """One work item (a layer, KV head and workgroup), serial inside: one CPU thread runs it."""
+        g, kvh, wg, logical_start, visible = at.work_item(item, nwg, position, window)
+        layer, slot = layers[g], slots[g]
+        n_blocks = (visible + C - 1) // C
+        if ti.static(bypass):
+            if wg == 0:
+                row = at.physical_of(position, capacity, origin_logical, origin_physical)
                 for d in range(D):
-                    for h in ti.static(range(G)):
-                        OT[d, h] = OT[d, h] * factor[h]
-                # V pass: CPU_ROWS rows at a time; rows past count get weight 0
-                for rr in range((count + CPU_ROWS - 1) // CPU_ROWS):
-                    logicals = ti.Vector([0] * CPU_ROWS)
-                    physs = ti.Vector([0] * CPU_ROWS)
-                    wts = ti.Matrix.zero(ti.f32, CPU_ROWS, G)
-                    for j in ti.static(range(CPU_ROWS)):
-                        r = rr * CPU_ROWS + j
-                        logicals[j] = logical_start + first + ti.min(r, count - 1)
-                        physs[j] = at.physical_of(logicals[j], capacity, origin_logical, origin_physical)
-                        # bypass: the current row's plane slot gets weight 0 (0 x a finite f16 adds
-                        # exactly nothing); its f32 value is added below
-                        keep = r < count
-                        if ti.static(bypass):
-                            keep = keep and r != r_cur
-                        if keep:
-                            for h in ti.static(range(G)):
-                                wts[j, h] = P[r, h]
-                    for d in range(D):
-                        vds = ti.Vector([0.0] * CPU_ROWS)
-                        for j in ti.static(range(CPU_ROWS)):
-                            vds[j] = row_value(v_plane, slot, kvh, physs[j], d)
-                        for h in ti.static(range(G)):
-                            o = OT[d, h]
-                            for j in ti.static(range(CPU_ROWS)):
-                                o = o + wts[j, h] * vds[j]
-                            OT[d, h] = o
-                if ti.static(bypass):
-                    if r_cur < count:
-                        for d in range(D):
-                            vd = v_cur[layer, kvh, d]
-                            for h in ti.static(range(G)):
-                                OT[d, h] = OT[d, h] + P[r_cur, h] * vd
-                block, chunk_pos = next_owned(block, chunk_pos, nwg, nsg)
+                    at.fused_store(k_cur, v_cur, k_plane, v_plane, layer, slot, kvh, row, d)
+        # Everything hot lives in local (stack) arrays, vectorised across the G sibling heads:
+        # qT[d, h] and OT[d, h] keep the heads contiguous, so the static head loops below
+        # become 8-wide SIMD (no reductions over d, so no fast-math reassociation needed).
+        qT = ti.Matrix.zero(ti.f32, D, G)
+        OT = ti.Matrix.zero(ti.f32, D, G)
+        P = ti.Matrix.zero(ti.f32, C, G)  # scores, then softmax weights, of one block
+        m = ti.Vector([RUNNING_MAX_INIT] * G)
+        s = ti.Vector([0.0] * G)
+        for d in range(D):
             for h in ti.static(range(G)):
-                partials[g, kvh * G + h, wg, 0] = m[h]
-                partials[g, kvh * G + h, wg, 1] = s[h]
+                qT[d, h] = q[layer, kvh * G + h, d]
+        block = wg * nsg
+        chunk_pos = 0
+        while block < n_blocks:
+            if ti.static(record):
+                ti.atomic_add(visits[g, block], 1 + VISIT_OWNER * wg)
+            first = block * C
+            count = ti.min(C, visible - first)
+            # scores: CPU_ROWS rows at a time (a partial tail repeats the last row, unused)
+            for rr in range((count + CPU_ROWS - 1) // CPU_ROWS):
+                logicals = ti.Vector([0] * CPU_ROWS)
+                physs = ti.Vector([0] * CPU_ROWS)
+                for j in ti.static(range(CPU_ROWS)):
+                    logicals[j] = logical_start + first + ti.min(rr * CPU_ROWS + j, count - 1)
+                    physs[j] = at.physical_of(logicals[j], capacity, origin_logical, origin_physical)
+                acc = ti.Matrix.zero(ti.f32, CPU_ROWS, G)
+                for d in range(D):
+                    for j in ti.static(range(CPU_ROWS)):
+                        kd = row_value(k_plane, slot, kvh, physs[j], d)
+                        for h in ti.static(range(G)):
+                            acc[j, h] = acc[j, h] + qT[d, h] * kd
+                for j in ti.static(range(CPU_ROWS)):
+                    for h in ti.static(range(G)):
+                        P[rr * CPU_ROWS + j, h] = acc[j, h] * scale
+            # the bypass: the current token's row (if in this block) scores against the f32
+            # activations, not the plane slot read above (which wg 0 may be rewriting)
+            r_cur = position - (logical_start + first)
+            if ti.static(bypass):
+                if r_cur < count:
+                    cur = ti.Vector([0.0] * G)
+                    for d in range(D):
+                        kd = k_cur[layer, kvh, d]
+                        for h in ti.static(range(G)):
+                            cur[h] = cur[h] + qT[d, h] * kd
+                    for h in ti.static(range(G)):
+                        P[r_cur, h] = cur[h] * scale
+            # online softmax per block: block max, rescale, weights
+            factor = ti.Vector([0.0] * G)
+            for h in ti.static(range(G)):
+                block_max = P[0, h]
+                for r in range(1, count):
+                    block_max = ti.max(block_max, P[r, h])
+                new_max = ti.max(m[h], block_max)
+                factor[h] = ti.exp(m[h] - new_max)
+                m[h] = new_max
+                s[h] *= factor[h]
+            for r in range(count):
+                for h in ti.static(range(G)):
+                    w = ti.exp(P[r, h] - m[h])
+                    P[r, h] = w
+                    s[h] += w
             for d in range(D):
                 for h in ti.static(range(G)):
-                    partials[g, kvh * G + h, wg, 2 + d] = OT[d, h]
+                    OT[d, h] = OT[d, h] * factor[h]
+            # V pass: CPU_ROWS rows at a time; rows past count get weight 0
+            for rr in range((count + CPU_ROWS - 1) // CPU_ROWS):
+                logicals = ti.Vector([0] * CPU_ROWS)
+                physs = ti.Vector([0] * CPU_ROWS)
+                wts = ti.Matrix.zero(ti.f32, CPU_ROWS, G)
+                for j in ti.static(range(CPU_ROWS)):
+                    r = rr * CPU_ROWS + j
+                    logicals[j] = logical_start + first + ti.min(r, count - 1)
+                    physs[j] = at.physical_of(logicals[j], capacity, origin_logical, origin_physical)
+                    # bypass: the current row's plane slot gets weight 0 (0 x a finite f16 adds
+                    # exactly nothing); its f32 value is added below
+                    keep = r < count
+                    if ti.static(bypass):
+                        keep = keep and r != r_cur
+                    if keep:
+                        for h in ti.static(range(G)):
+                            wts[j, h] = P[r, h]
+                for d in range(D):
+                    vds = ti.Vector([0.0] * CPU_ROWS)
+                    for j in ti.static(range(CPU_ROWS)):
+                        vds[j] = row_value(v_plane, slot, kvh, physs[j], d)
+                    for h in ti.static(range(G)):
+                        o = OT[d, h]
+                        for j in ti.static(range(CPU_ROWS)):
+                            o = o + wts[j, h] * vds[j]
+                        OT[d, h] = o
+            if ti.static(bypass):
+                if r_cur < count:
+                    for d in range(D):
+                        vd = v_cur[layer, kvh, d]
+                        for h in ti.static(range(G)):
+                            OT[d, h] = OT[d, h] + P[r_cur, h] * vd
+            block, chunk_pos = next_owned(block, chunk_pos, nwg, nsg)
+        for h in ti.static(range(G)):
+            partials[g, kvh * G + h, wg, 0] = m[h]
+            partials[g, kvh * G + h, wg, 1] = s[h]
+        for d in range(D):
+            for h in ti.static(range(G)):
+                partials[g, kvh * G + h, wg, 2 + d] = OT[d, h]
 
-    return producer
+    return item_work
 
 
-__all__ = ["build_producer", "addressing", "active_tile_plan", "gpu_work", "TOKEN_MAJOR", "HEAD_MAJOR"]
+__all__ = ["build_producer", "build_gpu_producer", "addressing", "active_tile_plan", "gpu_work", "producer_kernel",
+           "TOKEN_MAJOR", "HEAD_MAJOR"]

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import taichi as ti
 
-from .common import BLOCK_ROWS, RUNNING_MAX_INIT, VISIT_OWNER, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d
+from .common import BLOCK_ROWS, RUNNING_MAX_INIT, VISIT_OWNER
 
 SHARED_BUDGET_BYTES = {"cuda": 48 * 1024, "vulkan": 48 * 1024, "metal": 32 * 1024}  # without opt-in
 GPU_PRODUCER_THREADS = 128  # T: 128 lets ptxas use 255 registers (see above).  One NoPE layer on the H200 at
@@ -212,13 +212,13 @@ def tile_overrides(text: str | None = None) -> dict[str, int]:
     return out
 
 
-def gpu_producer_work(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at, fused_store: bool):
+def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_store: bool):
     """The GPU producer's per-thread work, a ti.func of a thread and its work item; ``at`` is the
     layout's addressing (producer.addressing).  fused_store: workgroup 0 of each work item writes the
     current token's row into the plane (the interleaved route); the one-dispatch step (step_gpu.py)
     stores in a task of its own instead, behind the token scan's flags."""
     p = plan
-    G, D, T, KV, C = p.G, p.D, p.T, n_kv, BLOCK_ROWS
+    G, D, T, C = p.G, p.D, p.T, BLOCK_ROWS
     HB, RG, RB, R, DC, VR = p.HB, p.RG, p.RB, p.R, p.DC, p.VR
     VH, VD, DG, HGV, RS, L2 = p.VH, p.VD, p.DG, p.HGV, p.RS, p.L2
     KS, VS, WS = DC + 1, D + 1, R + 1  # padded strides of the K chunk, V chunk and weight rows
@@ -522,26 +522,5 @@ def shared_arrays(plan: TilePlan) -> tuple:
             ti.simt.block.SharedArray((R,), ti.i32))  # rows_sh: the tile's physical rows
 
 
-def build_gpu_producer(plan: TilePlan, n_kv: int, bypass: bool, record: bool, at):
-    """The GPU producer kernel: one launch of gpu_producer_work, T threads per work item."""
-    work = gpu_producer_work(plan, n_kv, bypass, record, at, fused_store=bypass)
-    T = plan.T
-
-    @ti.kernel
-    def producer(
-        q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, k_plane: f16_plane, v_plane: f16_plane,
-        partials: f32_4d, visits: i32_2d,
-        layers: i32_1d, slots: i32_1d, n_group: ti.i32,
-        position: ti.i32, window: ti.i32, capacity: ti.i32, origin_logical: ti.i32, origin_physical: ti.i32,
-        nwg: ti.i32, nsg: ti.i32, scale: ti.f32,
-    ):
-        ti.loop_config(block_dim=T)
-        for t in range(n_group * n_kv * nwg * T):
-            work(umod(t, T), udiv(t, T), ti.static(shared_arrays(plan)), q, k_cur, v_cur, k_plane, v_plane, partials,
-                 visits, layers, slots, position, window, capacity, origin_logical, origin_physical, nwg, nsg, scale)
-
-    return producer
-
-
-__all__ = ["GPU_PRODUCER_THREADS", "SHARED_BUDGET_BYTES", "TilePlan", "build_gpu_producer", "describe_plans",
+__all__ = ["GPU_PRODUCER_THREADS", "SHARED_BUDGET_BYTES", "TilePlan", "describe_plans",
            "gpu_producer_work", "gpu_tile_plan", "shared_arrays", "tile_overrides"]
