@@ -73,15 +73,16 @@ def test_step_device_gives_steps_bits(arch, geom, dist):
     assert dev.planes["swa"].state.origin_logical > 0 and dev.planes["nope"].state.capacity > 64  # wrapped, grew
 
 
-@pytest.mark.parametrize("geom", list(GEOMETRIES))
-def test_one_dispatch_step_gives_the_graph_routes_bits(arch, geom):
+@pytest.mark.parametrize("geom, pattern", [(g, ("swa", "swa", "swa", "nope")) for g in GEOMETRIES] +
+                         [("gqa4-d64", ("swa", "nope"))])  # as many layers in each class: one partials buffer each
+def test_one_dispatch_step_gives_the_graph_routes_bits(arch, geom, pattern):
     """The one-dispatch step (CUDA, Vulkan) against the same kernels launched one by one through the step
     graph, on the same tokens, through the ring's wrap and NoPE plane growth (a growing step takes the
     graph route): the same output bits, the same planes, step() and step_device() alike."""
     probe = mt.Engine(geometry(**GEOMETRIES[geom]), arch=arch, pinned="off")
     if not probe.one_dispatch_step:
         pytest.skip(f"the one-dispatch step is a CUDA/Vulkan path; {probe.arch} takes the route-by-route one")
-    cfg = geometry(window=48, **GEOMETRIES[geom])
+    cfg = geometry(window=48, pattern=pattern, **GEOMETRIES[geom])
     one = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=21, dist="peaked")
     graph = mt.Engine(cfg, arch=arch, pinned="off")
     graph._step_kernel = None  # every step through the graph route
