@@ -22,7 +22,9 @@ merge's gpu_work, the scan's check), so every output bit is the graph route's.  
   from the f16 plane as before;
 * the gate: the scan runs first and every write the step makes (the plane rows and ``out``) asks its
   flags (stores.token_accepted), so a refused token leaves the planes and ``out`` as they were, and the
-  host reads the flags once, after the step (Engine.step_device).
+  host reads the flags once, after the step (Engine.step_device).  Engine.step checks its numpy token
+  on the host first and passes stores.NEVER_STAMPED, a stamp no flag holds: its writes never wait on
+  the scan.
 
 Where it applies: CUDA and Vulkan, a geometry with both layer classes, each on its default route
 (interleaved, splitk), and a step that grows no plane (the grow copy is not gated).  Every other step
@@ -80,7 +82,8 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int)
                         at_swa.fused_store(k_cur, v_cur, k_swa, v_swa, layers_swa[g - n_nope], slots_swa[g - n_nope],
                                            kvh, row_swa, d)
             # 3. both producers in one task, NoPE work items first (uniform per workgroup), in one set of
-            # shared arrays: [M, S, O] per (layer, head, workgroup); they write only the partials
+            # shared arrays: [M, S, O] per (layer, head, workgroup); they write only the partials (flags
+            # stands in for the visit counts, which only record mode writes)
             ti.loop_config(block_dim=T)
             for t in range((n_nope * nwg_nope + n_swa * nwg_swa) * KV * T):
                 tid, item = umod(t, T), udiv(t, T)
