@@ -101,6 +101,8 @@ def test_one_dispatch_step_gives_the_graph_routes_bits(arch, geom, pattern):
             got = one.eng.step(q, k, v)
         assert (one.eng.launches_last_step <= 2) != grows, t  # one dispatch (and the packed upload) unless it grew
         np.testing.assert_array_equal(got, graph.step(q, k, v), err_msg=f"token {t}")
+        one.history_k.append(k)
+        one.check(got, one.eng.reference(q, k, v))  # and both right, not only alike
     assert_same_state(one.eng, graph)
     assert one.eng.planes["swa"].state.origin_logical > 0 and grew  # wrapped, grew
 
