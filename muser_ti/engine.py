@@ -411,7 +411,7 @@ class Engine:
         ndarrays, with out receiving the result (then nothing is returned), checked on the device already or,
         with ``gated``, by the one-dispatch step's first task: then its flags are read after the step and a
         refused token leaves the planes, ``out`` and the engine's state as they were."""
-        one_dispatch = self._one_dispatch_fits(new_states, routes)  # before a growing plane is grown
+        one_dispatch = gated or self._one_dispatch_fits(new_states, routes)  # before a growing plane is grown
         # ---- commit: from here on the token is accepted (gated: unless the step's scan refuses it) ----
         self.launches_last_step = 0
         self._recorded = [] if self._gpu else None  # GPU: replay the step's dispatches as one ti.graph
@@ -468,12 +468,11 @@ class Engine:
         stamp = self._scans if gated else NEVER_STAMPED
         args = [self._q_dev, k_dev, v_dev, out_dev, self._token_flags, stamp, p, self.cfg.attention_scale]
         for kind in (NOPE, SWA):
-            st, grp = new_states[kind], self._group(self.planes[kind].layers)
-            _, visible = visible_span(self.cfg, kind, p)
-            nwg, nsg = self.split_geometry(visible, len(grp.layers))
-            args += [self._k[kind], self._v[kind], self._partials_for(kind, len(grp.layers), nwg), grp.layers_dev,
-                     grp.slots_dev, len(grp.layers), window_of(self.cfg, kind), st.capacity, st.origin_logical,
-                     st.origin_physical, st.physical(p), nwg, nsg]
+            st = new_states[kind]
+            grp, partials, nwg, nsg = self._producer_launch(kind, self.planes[kind].layers, p)
+            args += [self._k[kind], self._v[kind], partials, grp.layers_dev, grp.slots_dev, len(grp.layers),
+                     window_of(self.cfg, kind), st.capacity, st.origin_logical, st.origin_physical, st.physical(p),
+                     nwg, nsg]
         self._launch(self._step_kernel, *args)
 
     def _launch_routes(self, p, new_states, routes, q, k_dev, v_dev, out, out_dev):
@@ -628,11 +627,15 @@ class Engine:
             return gpu_split_geometry(visible, n_group * self.cfg.n_kv_heads)
         return splitk_geometry(visible)
 
-    def _run_producer(self, producer, reduce, kind, layers, st: PlaneState, p, k_dev, v_dev, out_dev):
+    def _producer_launch(self, kind: str, layers, p: int):
+        """(group, partials scratch, workgroups, simdgroups) of a producer launch over ``layers`` at ``p``."""
         grp = self._group(layers)
         _, visible = visible_span(self.cfg, kind, p)
         nwg, nsg = self.split_geometry(visible, len(layers))
-        partials = self._partials_for(kind, len(layers), nwg)
+        return grp, self._partials_for(kind, len(layers), nwg), nwg, nsg
+
+    def _run_producer(self, producer, reduce, kind, layers, st: PlaneState, p, k_dev, v_dev, out_dev):
+        grp, partials, nwg, nsg = self._producer_launch(kind, layers, p)
         self._launch(producer, self._q_dev, k_dev, v_dev, self._k[kind], self._v[kind], partials, self._no_visits,
                  grp.layers_dev, grp.slots_dev, len(layers), p, window_of(self.cfg, kind), st.capacity,
                  st.origin_logical, st.origin_physical, nwg, nsg, self.cfg.attention_scale)

@@ -95,8 +95,9 @@ def producer_kernel(n_kv: int, cpu_item=None, gpu=None):
     """The producer kernel, one signature for both paths: the CPU runs ``cpu_item`` (a ti.func of a work
     item) once per work item; a GPU runs ``gpu`` = (plan, work), T threads per work item, each with
     the workgroup's shared arrays (producer_gpu.shared_arrays)."""
-    plan, work = gpu if gpu is not None else (None, None)
-    T, gpu_path = (plan.T, True) if plan is not None else (1, False)
+    gpu_path = gpu is not None
+    plan, work = gpu if gpu_path else (None, None)
+    T = plan.T if gpu_path else 1
 
     @ti.kernel
     def producer(
