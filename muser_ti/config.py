@@ -108,6 +108,7 @@ _REQUIRED = _FIELDS[:8]
 _MAX_HEADS = 1024
 _MAX_LAYERS = 4096
 _MAX_CONTEXT = 1 << 24  # int32 row arithmetic in the kernels stays far from overflow
+_MAX_PLANE_ELEMENTS = 1 << 31  # a class's plane, indexed with 32 bits (see _validate)
 
 
 def _fail(source: str, field_name: str, value: Any, expected: str) -> ConfigError:
@@ -164,6 +165,16 @@ def _validate(raw: Any, source: str) -> Geometry:
     weight_bytes = _int_field(raw, source, "weight_stream_bytes", 0, 1 << 50) if "weight_stream_bytes" in raw else 0
     slack = _int_field(raw, source, "swa_ring_slack", 0, max_context) if "swa_ring_slack" in raw else 0
     n_ubatch = _int_field(raw, source, "n_ubatch", 1, 1 << 16) if "n_ubatch" in raw else 512
+
+    # One class's layers share a plane; Taichi indexes an ndarray with 32-bit arithmetic (and the GPU
+    # producer with flat row indices, kernels/producer.py plane_flat), so a plane stays under 2**31 elements.
+    kinds = [pattern[i % len(pattern)] for i in range(n_layers)]
+    for kind, rows in (("nope", max_context), ("swa", min(window + slack, max_context))):
+        elements = kinds.count(kind) * n_kv_heads * rows * head_dim
+        if elements >= _MAX_PLANE_ELEMENTS:
+            raise _fail(source, "max_context" if kind == "nope" else "window", max_context if kind == "nope" else window,
+                        f"a {kind} plane under 2**31 elements ({kinds.count(kind)} layers x n_kv_heads={n_kv_heads} x "
+                        f"{rows} rows x head_dim={head_dim} = {elements:,}); Taichi indexes planes with 32 bits")
 
     return Geometry(
         name=name,

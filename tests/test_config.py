@@ -65,6 +65,8 @@ def test_other_geometries_load(tmp_path, changes):
     (dict(n_layers=True), "n_layers", "an integer"),
     (dict(attention_scale=-1.0), "attention_scale", "positive finite"),
     (dict(max_context=0), "max_context", "[1,"),
+    (dict(max_context=1 << 24), "max_context", "nope plane under 2**31 elements (13 layers x n_kv_heads=2 x 16777216"),
+    (dict(max_context=1 << 24, window=1 << 23, layer_pattern=["swa"]), "window", "swa plane under 2**31 elements"),
 ])
 def test_bad_values_name_field_value_and_range(tmp_path, changes, field, fragment):
     p = tmp_path / "bad.yaml"

@@ -49,6 +49,25 @@ def addressing(layout: str, n_kv: int):
             return plane[slot, kvh, physical, d]
 
     @ti.func
+    def row_offset(plane: ti.template(), slot, kvh, physical):
+        """Flat element index of (slot, kvh, physical, 0) in the C-contiguous plane, for plane_flat."""
+        n1, n2, n3 = plane.shape[1], plane.shape[2], plane.shape[3]
+        offset = 0
+        if ti.static(layout == TOKEN_MAJOR):
+            offset = ((slot * n1 + physical) * n2 + kvh) * n3
+        else:
+            offset = ((slot * n1 + kvh) * n2 + physical) * n3
+        return offset
+
+    @ti.func
+    def plane_flat(plane: ti.template(), offset):
+        """The plane's element at a flat index (row_offset + d).  Taichi linearises plane[i, j, k, l] as
+        ((i*n1 + j)*n2 + k)*n3 + l, so with zeros in front the index is used as is: the GPU producer builds
+        a row's index once per tile row, not once per staged element (docs/PERF.md run 12).  Plane sizes
+        stay under 2**31 elements (planes.py checks), as Taichi's own 32-bit indexing needs."""
+        return plane[0, 0, 0, offset]
+
+    @ti.func
     def work_item(item, nwg, position, window):
         """(group layer, KV head, workgroup, logical_start, visible) of a work item (§16.4)."""
         visible = position + 1
@@ -70,7 +89,8 @@ def addressing(layout: str, n_kv: int):
             k_plane[slot, kvh, row, d] = ti.cast(k_cur[layer, kvh, d], ti.f16)
             v_plane[slot, kvh, row, d] = ti.cast(v_cur[layer, kvh, d], ti.f16)
 
-    return SimpleNamespace(plane_at=plane_at, work_item=work_item, physical_of=physical_of, fused_store=fused_store)
+    return SimpleNamespace(plane_at=plane_at, row_offset=row_offset, plane_flat=plane_flat, work_item=work_item,
+                           physical_of=physical_of, fused_store=fused_store)
 
 
 def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layout: str, bypass: bool, record: bool):

@@ -73,6 +73,10 @@ LOAD_GROUP = 16  # LG cap, unpipelined chunks only: loads in flight per thread b
 PREFETCH = 1  # PF: chunk c+1 loads (kept f16) while chunk c's FMAs run; see above.  K chunks of 8 / 32 dims
 #               with it ran 223 / 204 us at 131,072 keys against 196 for 16 (run 8).  Two chunks in flight
 #               (a second f16 stage; V's first chunks loaded under K's last) ran 187 vs 173 us (run 9)
+K_TRANSPOSED = 1  # KT: the K chunk is staged [DC][R + 4], so a thread's RB score rows (sr*RB ..) sit side by
+#                   side and ptxas may read 4 of them in one 128-bit load (64 scalar K reads per chunk before)
+VALUE_CONTIGUOUS = 1  # VL: a thread's VD value dims are adjacent (dg*VD ..), V rows unpadded and the weights
+#                       [row][G + 4], so a value row costs three 128-bit shared loads instead of twelve
 MAX_TILE_ROWS = 128  # R: 256-row tiles ran 202 us at 131,072 keys against 196 (run 8, T = 128), and 64-row
 #                      tiles 254 against 220 (T = 256); short windows leave long tiles mostly empty (run 7)
 
@@ -119,7 +123,7 @@ class TilePlan:
     VR: int  # V chunk rows
     VH: int  # value heads per thread
     VD: int  # value dims per thread
-    DG: int  # value dim groups (D // VD): a thread owns dims dg + DG*j
+    DG: int  # value dim groups (D // VD): a thread owns dims value_dim(dg, j)
     HGV: int  # value head groups (G // VH)
     RS: int  # row slices in the value pass
     L2: int  # threads per head in the tile-max reduction
@@ -127,15 +131,20 @@ class TilePlan:
     LG: int  # chunk loads each thread issues before their stores (divides the chunk's loads per thread)
     shared_bytes: int
     PF: int = PREFETCH  # 1: each chunk's loads are issued a chunk ahead (software pipelining)
+    KT: int = K_TRANSPOSED  # 1: K chunk [DC][R + 4] (score rows sr*RB + j), 0: [R][DC + 1] (rows sr + RG*j)
+    VL: int = VALUE_CONTIGUOUS  # 1: value dims dg*VD + j, V chunk [VR][D], weights [R][G + 4]; 0: dims
+    #                             dg + DG*j, V chunk [VR][D + 1], weights [G][R + 1]
 
 
 def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB: int = MAX_SCORE_HEADS,
                   VH: int = MAX_VALUE_HEADS, R: int = MAX_TILE_ROWS, LG: int = LOAD_GROUP,
-                  DC: int = K_CHUNK_DIMS, PF: int = PREFETCH) -> "TilePlan":
+                  DC: int = K_CHUNK_DIMS, PF: int = PREFETCH, KT: int = K_TRANSPOSED,
+                  VL: int = VALUE_CONTIGUOUS) -> "TilePlan":
     """Choose the largest tile that fits ``budget`` bytes of shared memory; pure arithmetic, tested.
 
     T, HB, VH, R and LG cap the workgroup size, the score heads and value heads per thread, the tile
-    rows and the loads in flight; DC sets the K chunk's dimensions; PF = 1 pipelines the chunks.  The
+    rows and the loads in flight; DC sets the K chunk's dimensions; PF = 1 pipelines the chunks; KT and
+    VL choose the shared layouts (K_TRANSPOSED, VALUE_CONTIGUOUS).  The
     defaults are the measured choice; MUSER_GPU_TILE overrides them (tile_overrides)."""
     max_hb, max_vh, max_r = HB, VH, R
     if T < 32 or T & (T - 1) or T > 1024:
@@ -158,8 +167,9 @@ def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB
     HGV = G // VH
     RS = T // (HGV * DG)
     L2 = T // G
-    if PF not in (0, 1):
-        raise ValueError(f"prefetch PF={PF}: expected 0 or 1")
+    for knob, value in (("prefetch PF", PF), ("K layout KT", KT), ("value layout VL", VL)):
+        if value not in (0, 1):
+            raise ValueError(f"{knob}={value}: expected 0 or 1")
     if DC < 1 or D % DC or DC > T:
         raise ValueError(f"K chunk dims DC={DC}: expected a divisor of head_dim {D} of at most T={T}")
     for RB in range(max(1, max_r // RG), 0, -1):  # the largest tile (R = RG x RB rows) that fits
@@ -168,12 +178,12 @@ def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB
         if chunk % D or chunk % T or R % (chunk // D):
             continue
         VR = chunk // D
-        buf = max(R * (DC + 1), VR * (D + 1), G * D if RS > 1 else 0)
-        floats = G * D + buf + G * (R + 1) + G * RG + G * L2 + 2 * G
+        buf = max(DC * (R + 4) if KT else R * (DC + 1), VR * (D if VL else D + 1), G * D if RS > 1 else 0)
+        floats = G * D + buf + (R * (G + 4) if VL else G * (R + 1)) + G * RG + G * L2 + 2 * G
         shared = 4 * (floats + R)
         if shared <= budget:
             lg = _largest_divisor(chunk // T, LG)
-            return TilePlan(G, D, T, HB, HG, RG, RB, R, DC, VR, VH, VD, DG, HGV, RS, L2, buf, lg, shared, PF)
+            return TilePlan(G, D, T, HB, HG, RG, RB, R, DC, VR, VH, VD, DG, HGV, RS, L2, buf, lg, shared, PF, KT, VL)
     raise ValueError(f"no GPU tile for {G} heads per KV head at head_dim {D} fits {budget} bytes of shared memory "
                      f"(the queries alone take {4 * G * D})")
 
@@ -195,8 +205,8 @@ def describe_plans(G: int, D: int) -> list[str]:
     return lines
 
 
-TILE_KNOBS = ("T", "HB", "VH", "R", "LG", "DC", "PF")
-SWITCH_KNOBS = ("PF",)  # 0 or 1
+TILE_KNOBS = ("T", "HB", "VH", "R", "LG", "DC", "PF", "KT", "VL")
+SWITCH_KNOBS = ("PF", "KT", "VL")  # 0 or 1
 
 
 def tile_overrides(text: str | None = None) -> dict[str, int]:
@@ -221,7 +231,35 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
     G, D, T, C = p.G, p.D, p.T, BLOCK_ROWS
     HB, RG, RB, R, DC, VR = p.HB, p.RG, p.RB, p.R, p.DC, p.VR
     VH, VD, DG, HGV, RS, L2 = p.VH, p.VD, p.DG, p.HGV, p.RS, p.L2
-    KS, VS, WS = DC + 1, D + 1, R + 1  # padded strides of the K chunk, V chunk and weight rows
+    KT, VL = p.KT, p.VL
+    KS, VS, WS = DC + 1, D + 1, R + 1  # padded strides of the K chunk, V chunk and weight rows (KT = VL = 0)
+    KTS, WR = R + 4, G + 4  # K^T rows (KT) and weight rows (VL): 16-byte aligned; 8 lanes' 16-byte stores
+    #                          of consecutive rows land in different banks
+
+    @ti.func
+    def k_at(r, col):
+        """Index in buf of the K chunk's element (tile row r, chunk dim col)."""
+        return col * KTS + r if ti.static(KT) else r * KS + col
+
+    @ti.func
+    def v_at(r, col):
+        """Index in buf of the V chunk's element (chunk row r, dim col)."""
+        return r * D + col if ti.static(VL) else r * VS + col
+
+    @ti.func
+    def w_at(h, r):
+        """Index in w_sh of head h's weight for tile row r."""
+        return r * WR + h if ti.static(VL) else h * WS + r
+
+    @ti.func
+    def score_row(sr, j: ti.template()):
+        """Tile row of a thread's j-th score row."""
+        return sr * RB + j if ti.static(KT) else sr + j * RG
+
+    @ti.func
+    def value_dim(dg, j: ti.template()):
+        """Head dim of a thread's j-th value accumulator."""
+        return dg * VD + j if ti.static(VL) else dg + DG * j
     CHUNK = R * DC  # elements per chunk, K or V
     LOADS = CHUNK // T  # elements each thread moves per chunk
     NKC = D // DC  # K chunks per tile (V chunks: as many as the tile has rows for, see n_vc)
@@ -229,14 +267,16 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
     LG, PF = p.LG, p.PF
 
     @ti.func
-    def tile_rows(o_first, count, wg, nwg, run, logical_start, capacity, origin_logical, origin_physical,
-                  rows_sh: ti.template(), visits: ti.template(), g, tid):
-        """Physical row of each tile row (past ``count``: the last valid row, in bounds and unused)."""
+    def tile_rows(plane: ti.template(), slot, kvh, o_first, count, wg, nwg, run, logical_start, capacity,
+                  origin_logical, origin_physical, rows_sh: ti.template(), visits: ti.template(), g, tid):
+        """Flat plane index of each tile row's first element (past ``count``: the last valid row's, in bounds
+        and unused).  K and V planes have one shape, so one index serves both."""
         i = tid
         while i < R:
             o = o_first + ti.min(i, count - 1)
             rel = (wg + (o // run) * nwg) * run + o % run
-            rows_sh[i] = at.physical_of(logical_start + rel, capacity, origin_logical, origin_physical)
+            rows_sh[i] = at.row_offset(plane, slot, kvh,
+                                       at.physical_of(logical_start + rel, capacity, origin_logical, origin_physical))
             if ti.static(record):
                 if i < count and rel % C == 0:
                     ti.atomic_add(visits[g, rel // C], 1 + VISIT_OWNER * wg)
@@ -258,7 +298,7 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
         return row, col
 
     @ti.func
-    def load_chunk(plane: ti.template(), rows_sh: ti.template(), slot, kvh, is_k: ti.template(), c, tid,
+    def load_chunk(plane: ti.template(), rows_sh: ti.template(), is_k: ti.template(), c, tid,
                    first: ti.template(), n: ti.template()):
         """Elements first .. first+n-1 of this thread's share of chunk c (K: dims c*DC.., V: rows c*VR..),
         kept f16: converted only when stored, so nothing waits for the loads before then."""
@@ -266,10 +306,10 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
         for k in ti.static(range(n)):
             if ti.static(is_k):
                 r, col = chunk_cell(tid, first + k, DC, K_SPLIT)
-                stage[k] = at.plane_at(plane, slot, kvh, rows_sh[r], c * DC + col)
+                stage[k] = at.plane_flat(plane, rows_sh[r] + c * DC + col)
             else:
                 r, col = chunk_cell(tid, first + k, D, V_SPLIT)
-                stage[k] = at.plane_at(plane, slot, kvh, rows_sh[c * VR + r], col)
+                stage[k] = at.plane_flat(plane, rows_sh[c * VR + r] + col)
         return stage
 
     @ti.func
@@ -278,17 +318,16 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
         for k in ti.static(range(n)):
             if ti.static(is_k):
                 r, col = chunk_cell(tid, first + k, DC, K_SPLIT)
-                buf[r * KS + col] = ti.cast(stage[k], ti.f32)
+                buf[k_at(r, col)] = ti.cast(stage[k], ti.f32)
             else:
                 r, col = chunk_cell(tid, first + k, D, V_SPLIT)
-                buf[r * VS + col] = ti.cast(stage[k], ti.f32)
+                buf[v_at(r, col)] = ti.cast(stage[k], ti.f32)
 
     @ti.func
-    def move_chunk(plane: ti.template(), buf: ti.template(), rows_sh: ti.template(), slot, kvh, is_k: ti.template(),
-                   c, tid):
+    def move_chunk(plane: ti.template(), buf: ti.template(), rows_sh: ti.template(), is_k: ti.template(), c, tid):
         """Chunk c from the plane to shared f32, LOAD_GROUP loads in flight per thread before their stores."""
         for grp in ti.static(range(LOADS // LG)):
-            store_chunk(buf, load_chunk(plane, rows_sh, slot, kvh, is_k, c, tid, grp * LG, LG), is_k, tid, grp * LG, LG)
+            store_chunk(buf, load_chunk(plane, rows_sh, is_k, c, tid, grp * LG, LG), is_k, tid, grp * LG, LG)
 
     @ti.func
     def patch_current(buf: ti.template(), cur: ti.template(), layer, kvh, is_k: ti.template(), c, r_cur, count, tid):
@@ -300,18 +339,18 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
                 if r_cur >= 0 and r_cur < count:
                     ti.simt.block.sync()
                     if tid < DC:
-                        buf[r_cur * KS + tid] = cur[layer, kvh, c * DC + tid]
+                        buf[k_at(r_cur, tid)] = cur[layer, kvh, c * DC + tid]
             else:
                 if r_cur >= c * VR and r_cur < ti.min(count, c * VR + VR):
                     ti.simt.block.sync()
                     e = tid
                     while e < D:
-                        buf[(r_cur - c * VR) * VS + e] = cur[layer, kvh, e]
+                        buf[v_at(r_cur - c * VR, e)] = cur[layer, kvh, e]
                         e += T
 
     @ti.func
     def stage_chunk(plane: ti.template(), cur: ti.template(), buf: ti.template(), rows_sh: ti.template(), ahead,
-                    layer, slot, kvh, is_k: ti.template(), c, n_chunks, r_cur, count, tid):
+                    layer, kvh, is_k: ti.template(), c, n_chunks, r_cur, count, tid):
         """Chunk c into buf between two barriers (with PF from ``ahead``, else straight from the plane), the
         bypass row patched in.  Returns what is in flight after it: with PF, chunk c+1's loads, issued here
         so that chunk c's FMAs hide them."""
@@ -319,13 +358,13 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
         if ti.static(PF):
             store_chunk(buf, ahead, is_k, tid, 0, LOADS)
         else:
-            move_chunk(plane, buf, rows_sh, slot, kvh, is_k, c, tid)
+            move_chunk(plane, buf, rows_sh, is_k, c, tid)
         patch_current(buf, cur, layer, kvh, is_k, c, r_cur, count, tid)
         ti.simt.block.sync()
         nxt = ahead
         if ti.static(PF):
             if c + 1 < n_chunks:
-                nxt = load_chunk(plane, rows_sh, slot, kvh, is_k, c + 1, tid, 0, LOADS)
+                nxt = load_chunk(plane, rows_sh, is_k, c + 1, tid, 0, LOADS)
         return nxt
 
     @ti.func
@@ -354,8 +393,8 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
             state[tid] = RUNNING_MAX_INIT
             state[G + tid] = 0.0
 
-        # this thread's score tile: heads h0 + i, rows sr + RG*j; value tile: heads vh0 + i,
-        # dims dg + DG*j, rows rs, rs + RS, ... of each V chunk
+        # this thread's score tile: heads h0 + i, rows score_row(sr, j); value tile: heads vh0 + i,
+        # dims value_dim(dg, j), rows rs, rs + RS, ... of each V chunk
         h0, sr = udiv(tid, RG) * HB, umod(tid, RG)
         rs, vl = udiv(tid, HGV * DG), umod(tid, HGV * DG)
         vh0, dg = udiv(vl, DG) * VH, umod(vl, DG)
@@ -381,35 +420,35 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
         while o_first < n_own:  # uniform across the workgroup: barriers inside are safe
             count = ti.min(R, n_own - o_first)
             r_cur = o_cur - o_first  # tile row of the current token (bypass), maybe out of range
-            tile_rows(o_first, count, wg, nwg, run, logical_start, capacity, origin_logical, origin_physical,
-                      rows_sh, visits, g, tid)
+            tile_rows(k_plane, slot, kvh, o_first, count, wg, nwg, run, logical_start, capacity, origin_logical,
+                      origin_physical, rows_sh, visits, g, tid)
             ti.simt.block.sync()
 
             sc = ti.Matrix.zero(ti.f32, HB, RB)
             ahead = ti.Vector([0.0] * LOADS, dt=ti.f16)  # PF: this thread's share of the next chunk, in flight
             if ti.static(PF):
-                ahead = load_chunk(k_plane, rows_sh, slot, kvh, True, 0, tid, 0, LOADS)
+                ahead = load_chunk(k_plane, rows_sh, True, 0, tid, 0, LOADS)
             for c in range(NKC):
-                ahead = stage_chunk(k_plane, k_cur, buf, rows_sh, ahead, layer, slot, kvh, True, c, NKC, r_cur,
+                ahead = stage_chunk(k_plane, k_cur, buf, rows_sh, ahead, layer, kvh, True, c, NKC, r_cur,
                                     count, tid)
                 if tid < SCORE_THREADS:
                     for dd in range(DC):  # not unrolled: ptxas unrolls it.  Unrolled here by 4 it ran 172
                         # against 170 us at 131,072 keys, fully 232 (run 9); K rows padded to 16-byte
                         # alignment (stride 20) for 128-bit reads: 171 (run 9)
-                        kd = ti.Vector([buf[(sr + j * RG) * KS + dd] for j in ti.static(range(RB))])
+                        kd = ti.Vector([buf[k_at(score_row(sr, j), dd)] for j in ti.static(range(RB))])
                         for i in ti.static(range(HB)):
                             qd = q_sh[(h0 + i) * D + c * DC + dd]
                             for j in ti.static(range(RB)):
                                 sc[i, j] = sc[i, j] + qd * kd[j]
 
             if ti.static(PF):  # V's first chunk is in flight while the softmax bookkeeping runs
-                ahead = load_chunk(v_plane, rows_sh, slot, kvh, False, 0, tid, 0, LOADS)
+                ahead = load_chunk(v_plane, rows_sh, False, 0, tid, 0, LOADS)
             # the tile's max per head: thread -> part[h][row group] -> part2[h][L2] -> state
             if tid < SCORE_THREADS:
                 for i in ti.static(range(HB)):
                     local = RUNNING_MAX_INIT
                     for j in ti.static(range(RB)):
-                        if sr + j * RG < count:
+                        if score_row(sr, j) < count:
                             local = ti.max(local, sc[i, j] * scale)
                     part[(h0 + i) * RG + sr] = local
             ti.simt.block.sync()
@@ -437,11 +476,11 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
                     m, f = state[h], state[G + h]
                     total = lsum[i] * f
                     for j in ti.static(range(RB)):
-                        r = sr + j * RG
+                        r = score_row(sr, j)
                         w = 0.0
                         if r < count:
                             w = ti.exp(sc[i, j] * scale - m)
-                        w_sh[h * WS + r] = w
+                        w_sh[w_at(h, r)] = w
                         total += w
                     lsum[i] = total
             if tid < VALUE_THREADS:
@@ -452,14 +491,14 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
 
             n_vc = (count + VR - 1) // VR  # V chunks past the tile's last row would only add zeros
             for c in range(n_vc):
-                ahead = stage_chunk(v_plane, v_cur, buf, rows_sh, ahead, layer, slot, kvh, False, c, n_vc, r_cur,
+                ahead = stage_chunk(v_plane, v_cur, buf, rows_sh, ahead, layer, kvh, False, c, n_vc, r_cur,
                                     count, tid)
                 if tid < VALUE_THREADS:
                     lr = rs
                     while lr < VR:  # unrolled (VR // RS rows) it ran 2-4 % slower (run 8)
-                        vv = ti.Vector([buf[lr * VS + dg + DG * j] for j in ti.static(range(VD))])
+                        vv = ti.Vector([buf[v_at(lr, value_dim(dg, j))] for j in ti.static(range(VD))])
                         for i in ti.static(range(VH)):
-                            w = w_sh[(vh0 + i) * WS + c * VR + lr]
+                            w = w_sh[w_at(vh0 + i, c * VR + lr)]
                             for j in ti.static(range(VD)):
                                 acc[i, j] = acc[i, j] + w * vv[j]
                         lr += RS
@@ -491,17 +530,17 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
             if rs == s:
                 for i in ti.static(range(VH)):
                     for j in ti.static(range(VD)):
-                        buf[(vh0 + i) * D + dg + DG * j] = acc[i, j]
+                        buf[(vh0 + i) * D + value_dim(dg, j)] = acc[i, j]
             ti.simt.block.sync()
             if rs == 0:
                 for i in ti.static(range(VH)):
                     for j in ti.static(range(VD)):
-                        acc[i, j] = acc[i, j] + buf[(vh0 + i) * D + dg + DG * j]
+                        acc[i, j] = acc[i, j] + buf[(vh0 + i) * D + value_dim(dg, j)]
             ti.simt.block.sync()
         if rs == 0:
             for i in ti.static(range(VH)):
                 for j in ti.static(range(VD)):
-                    partials[g, kvh * G + vh0 + i, wg, 2 + dg + DG * j] = acc[i, j]
+                    partials[g, kvh * G + vh0 + i, wg, 2 + value_dim(dg, j)] = acc[i, j]
 
     return work
 
@@ -514,12 +553,12 @@ def shared_arrays(plan: TilePlan) -> tuple:
     H200 where their sizes differed, docs/PERF.md run 11)."""
     G, D, R, RG, L2 = plan.G, plan.D, plan.R, plan.RG, plan.L2
     return (ti.simt.block.SharedArray((G * D,), ti.f32),  # q_sh: the group's queries
-            ti.simt.block.SharedArray((plan.BUF,), ti.f32),  # buf: K chunk [R][KS] | V chunk [VR][VS] | O slices
-            ti.simt.block.SharedArray((G * (R + 1),), ti.f32),  # w_sh: weights [h][r]
+            ti.simt.block.SharedArray((plan.BUF,), ti.f32),  # buf: K chunk | V chunk | O slices
+            ti.simt.block.SharedArray((R * (G + 4) if plan.VL else G * (R + 1),), ti.f32),  # w_sh: weights
             ti.simt.block.SharedArray((G * RG,), ti.f32),  # part: per (head, row group): max, then sum
             ti.simt.block.SharedArray((G * L2,), ti.f32),  # part2
             ti.simt.block.SharedArray((2 * G,), ti.f32),  # state: running max M, this tile's factor
-            ti.simt.block.SharedArray((R,), ti.i32))  # rows_sh: the tile's physical rows
+            ti.simt.block.SharedArray((R,), ti.i32))  # rows_sh: the tile rows' flat plane indices
 
 
 __all__ = ["GPU_PRODUCER_THREADS", "SHARED_BUDGET_BYTES", "TilePlan", "describe_plans",
