@@ -35,9 +35,7 @@ def test_plan_covers_every_score_and_output_within_budget(backend_name, budget, 
     assert p.VH <= 4 or not any(p.G % d == 0 and (p.G // d) * p.DG <= T for d in range(1, 5))
     # K chunks (R rows x DC dims) and V chunks (VR rows x D dims) move the same count, a multiple of T
     assert p.R * p.DC == p.VR * p.D and (p.R * p.DC) % T == 0 and p.D % p.DC == 0 and p.R % p.VR == 0
-    k_chunk = p.DC * (p.R + 4) if p.KT else p.R * (p.DC + 1)  # [DC][R + 4] or [R][DC + 1]
-    v_chunk = p.VR * (p.D if p.VL else p.D + 1)
-    assert p.BUF >= max(k_chunk, v_chunk) and (p.RS == 1 or p.BUF >= p.G * p.D)
+    assert p.BUF >= max(p.R * (p.DC + 1), p.VR * (p.D + 1)) and (p.RS == 1 or p.BUF >= p.G * p.D)
     assert p.R <= 256 and p.RG & (p.RG - 1) == 0  # tiles of a power-of-two row groups
     assert (p.R * p.DC // T) % p.LG == 0 and p.LG <= 16  # every chunk load issued, in whole groups
 
@@ -48,7 +46,7 @@ def test_glimmer_plan_is_the_measured_one():
     for budget in SHARED_BUDGET_BYTES.values():
         p = gpu_tile_plan(16, 128, budget)
         assert (p.T, p.HB, p.RB, p.R, p.DC, p.VR, p.VH, p.VD, p.RS, p.PF) == (128, 4, 4, 128, 16, 16, 4, 8, 2, 1)
-        assert (p.KT, p.VL, p.shared_bytes) == (1, 1, 30080)  # 28,352 with KT = VL = 0
+        assert p.shared_bytes == 28352
 
 
 def test_plan_refuses_groups_wider_than_the_workgroup():
@@ -65,13 +63,9 @@ def test_plan_refuses_workgroups_that_are_not_a_power_of_two_up_to_1024(T):
 def test_tile_overrides_parse_and_refuse_unknown_knobs():
     assert tile_overrides("T=128,HB=8, R=256") == {"T": 128, "HB": 8, "R": 256}
     assert tile_overrides("") == {}
-    p = gpu_tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], **tile_overrides("T=128,HB=8,R=256,KT=0,VL=0"))
+    p = gpu_tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], **tile_overrides("T=128,HB=8,R=256"))
     assert (p.T, p.HB, p.RB, p.R, p.LG) == (128, 8, 4, 256, 16)  # run 5's tile, measured against in run 7
     assert gpu_tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], **tile_overrides("PF=0")).PF == 0
-    old = gpu_tile_plan(16, 128, SHARED_BUDGET_BYTES["metal"], **tile_overrides("KT=0,VL=0"))
-    assert (old.KT, old.VL, old.shared_bytes) == (0, 0, 28352)
-    with pytest.raises(ValueError, match="value layout VL=2"):
-        gpu_tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], VL=2)
     with pytest.raises(ValueError, match="prefetch PF=2"):
         gpu_tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], **tile_overrides("PF=2"))
     for bad in ("X=2", "T=", "T=-4", "T=abc", "T=0", "PF=-1"):

@@ -37,13 +37,16 @@ index ranges from LLVM.  With Taichi's ops each staged K value cost ``add.s32; m
 add.s64`` before its shared load (a third of all instructions, run 8); with udiv/umod the offsets
 fold into the loads and the score loop is 256 FFMA + 80 shared loads per chunk (SASS, run 9).
 
-Known deficit (H200, docs/PERF.md run 9): one NoPE layer at 131,072 keys takes ~170 us against torch
-SDPA's ~58 us.  ncu: 76 M warp instructions (2.3 per FMA; FFMA 45 %, shared loads 17 %), 51 % of
-issue slots busy, 8 warps per SM (221 registers, 2 workgroups).  Stall samples: 20 % fixed-latency
-waits, 13 % long scoreboard (a quarter of it the f16 -> f32 conversion of the prefetched chunk),
-11 % short scoreboard.  The plane loads are generic ``ld.b16`` (Taichi loads an ndarray's pointer
-from the argument buffer, so LLVM cannot prove it global) and each staged element costs a row lookup
-and its own 32-bit index.  torch uses tensor cores, which Taichi cannot.
+Known deficit (H200, docs/PERF.md runs 9 and 12): one NoPE layer at 131,072 keys takes ~146 us of
+producer time (~167 us with the reducer) against torch SDPA's 66-84 us.  The plane loads are generic
+``ld.b16`` (Taichi loads an ndarray's pointer from the argument buffer, so LLVM cannot prove it global),
+two bytes per lane: Taichi has no wider load of an f16 ndarray.  Run 9's ncu: 76 M warp instructions
+(2.3 per FMA), 51 % of issue slots busy, 8 warps per SM (221 registers, 2 workgroups).  Run 12 built
+each tile row's plane index once (plane_flat) instead of per staged element, and tried the shared
+layouts that let ptxas read 4 operands per 128-bit load: 61 M instructions, 190 registers, and the
+same time, because the issue rate fell to 40 %.  With 2 warps per scheduler what the kernel waits on
+is latency: shared-memory results (26 % of stall samples), the plane loads (18 %), fixed-latency
+dependencies (15 %).  torch uses tensor cores, which Taichi cannot.
 
 Block ownership is the chapter's (block b belongs to workgroup (b // nsg) % nwg): a workgroup walks
 its owned rows in increasing order, R at a time, with one online-softmax update per tile.
@@ -62,10 +65,13 @@ GPU_PRODUCER_THREADS = 128  # T: 128 lets ptxas use 255 registers (see above).  
 #                            (cap 128 registers), 194 / 78 at T = 256 with VH = 2 (run 9).  Before udiv/umod:
 #                            194-196 / 79-81 at T = 128, 220 / 86 at T = 256 (run 8); 64 threads ran 371 us at
 #                            131,072 (docs/PERF.md)
-K_CHUNK_DIMS = 16  # DC: dimensions of K staged per chunk ([R][DC+1] f32 = 8.5 KiB at R = 128)
+K_CHUNK_DIMS = 16  # DC: dimensions of K staged per chunk ([R][DC+1] f32 = 8.5 KiB at R = 128).  K staged transposed
+#                    ([DC][R + 4], a thread's 4 score rows in one 128-bit load): no gain either (run 12)
 MAX_SCORE_HEADS = 4  # HB: 8 x 2 tiles at T = 128 ran 173 vs 170 us (run 9); 8 x 1 at T = 256 ran 275 us
 #                      at 131,072 keys, against 262 for 4 x 2 (run 7)
-MAX_VALUE_DIMS = 8  # VD: value dims per thread
+MAX_VALUE_DIMS = 8  # VD: value dims per thread, dims dg + DG*j.  Adjacent dims (dg*VD + j) over unpadded V rows,
+#                     with weights [row][G + 4], read a value row in three 128-bit loads instead of twelve, and
+#                     ran no faster: 182-188 against 182-185 us at 131,072 keys (run 12, either K layout); not kept
 MAX_VALUE_HEADS = 4  # VH: 4 x 8 = 32 accumulators.  2 x 8 ran 307 us against 257 at T = 256 (run 7); 8 x 8
 #                      with a prefetched chunk spilled twice as much at T = 128 (ncu, run 5)
 LOAD_GROUP = 16  # LG cap, unpipelined chunks only: loads in flight per thread before their stores; 8 and 4
@@ -73,10 +79,6 @@ LOAD_GROUP = 16  # LG cap, unpipelined chunks only: loads in flight per thread b
 PREFETCH = 1  # PF: chunk c+1 loads (kept f16) while chunk c's FMAs run; see above.  K chunks of 8 / 32 dims
 #               with it ran 223 / 204 us at 131,072 keys against 196 for 16 (run 8).  Two chunks in flight
 #               (a second f16 stage; V's first chunks loaded under K's last) ran 187 vs 173 us (run 9)
-K_TRANSPOSED = 1  # KT: the K chunk is staged [DC][R + 4], so a thread's RB score rows (sr*RB ..) sit side by
-#                   side and ptxas may read 4 of them in one 128-bit load (64 scalar K reads per chunk before)
-VALUE_CONTIGUOUS = 1  # VL: a thread's VD value dims are adjacent (dg*VD ..), V rows unpadded and the weights
-#                       [row][G + 4], so a value row costs three 128-bit shared loads instead of twelve
 MAX_TILE_ROWS = 128  # R: 256-row tiles ran 202 us at 131,072 keys against 196 (run 8, T = 128), and 64-row
 #                      tiles 254 against 220 (T = 256); short windows leave long tiles mostly empty (run 7)
 
@@ -123,7 +125,7 @@ class TilePlan:
     VR: int  # V chunk rows
     VH: int  # value heads per thread
     VD: int  # value dims per thread
-    DG: int  # value dim groups (D // VD): a thread owns dims value_dim(dg, j)
+    DG: int  # value dim groups (D // VD): a thread owns dims dg + DG*j
     HGV: int  # value head groups (G // VH)
     RS: int  # row slices in the value pass
     L2: int  # threads per head in the tile-max reduction
@@ -131,20 +133,15 @@ class TilePlan:
     LG: int  # chunk loads each thread issues before their stores (divides the chunk's loads per thread)
     shared_bytes: int
     PF: int = PREFETCH  # 1: each chunk's loads are issued a chunk ahead (software pipelining)
-    KT: int = K_TRANSPOSED  # 1: K chunk [DC][R + 4] (score rows sr*RB + j), 0: [R][DC + 1] (rows sr + RG*j)
-    VL: int = VALUE_CONTIGUOUS  # 1: value dims dg*VD + j, V chunk [VR][D], weights [R][G + 4]; 0: dims
-    #                             dg + DG*j, V chunk [VR][D + 1], weights [G][R + 1]
 
 
 def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB: int = MAX_SCORE_HEADS,
                   VH: int = MAX_VALUE_HEADS, R: int = MAX_TILE_ROWS, LG: int = LOAD_GROUP,
-                  DC: int = K_CHUNK_DIMS, PF: int = PREFETCH, KT: int = K_TRANSPOSED,
-                  VL: int = VALUE_CONTIGUOUS) -> "TilePlan":
+                  DC: int = K_CHUNK_DIMS, PF: int = PREFETCH) -> "TilePlan":
     """Choose the largest tile that fits ``budget`` bytes of shared memory; pure arithmetic, tested.
 
     T, HB, VH, R and LG cap the workgroup size, the score heads and value heads per thread, the tile
-    rows and the loads in flight; DC sets the K chunk's dimensions; PF = 1 pipelines the chunks; KT and
-    VL choose the shared layouts (K_TRANSPOSED, VALUE_CONTIGUOUS).  The
+    rows and the loads in flight; DC sets the K chunk's dimensions; PF = 1 pipelines the chunks.  The
     defaults are the measured choice; MUSER_GPU_TILE overrides them (tile_overrides)."""
     max_hb, max_vh, max_r = HB, VH, R
     if T < 32 or T & (T - 1) or T > 1024:
@@ -167,9 +164,8 @@ def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB
     HGV = G // VH
     RS = T // (HGV * DG)
     L2 = T // G
-    for knob, value in (("prefetch PF", PF), ("K layout KT", KT), ("value layout VL", VL)):
-        if value not in (0, 1):
-            raise ValueError(f"{knob}={value}: expected 0 or 1")
+    if PF not in (0, 1):
+        raise ValueError(f"prefetch PF={PF}: expected 0 or 1")
     if DC < 1 or D % DC or DC > T:
         raise ValueError(f"K chunk dims DC={DC}: expected a divisor of head_dim {D} of at most T={T}")
     for RB in range(max(1, max_r // RG), 0, -1):  # the largest tile (R = RG x RB rows) that fits
@@ -178,12 +174,12 @@ def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB
         if chunk % D or chunk % T or R % (chunk // D):
             continue
         VR = chunk // D
-        buf = max(DC * (R + 4) if KT else R * (DC + 1), VR * (D if VL else D + 1), G * D if RS > 1 else 0)
-        floats = G * D + buf + (R * (G + 4) if VL else G * (R + 1)) + G * RG + G * L2 + 2 * G
+        buf = max(R * (DC + 1), VR * (D + 1), G * D if RS > 1 else 0)
+        floats = G * D + buf + G * (R + 1) + G * RG + G * L2 + 2 * G
         shared = 4 * (floats + R)
         if shared <= budget:
             lg = _largest_divisor(chunk // T, LG)
-            return TilePlan(G, D, T, HB, HG, RG, RB, R, DC, VR, VH, VD, DG, HGV, RS, L2, buf, lg, shared, PF, KT, VL)
+            return TilePlan(G, D, T, HB, HG, RG, RB, R, DC, VR, VH, VD, DG, HGV, RS, L2, buf, lg, shared, PF)
     raise ValueError(f"no GPU tile for {G} heads per KV head at head_dim {D} fits {budget} bytes of shared memory "
                      f"(the queries alone take {4 * G * D})")
 
@@ -205,8 +201,8 @@ def describe_plans(G: int, D: int) -> list[str]:
     return lines
 
 
-TILE_KNOBS = ("T", "HB", "VH", "R", "LG", "DC", "PF", "KT", "VL")
-SWITCH_KNOBS = ("PF", "KT", "VL")  # 0 or 1
+TILE_KNOBS = ("T", "HB", "VH", "R", "LG", "DC", "PF")
+SWITCH_KNOBS = ("PF",)  # 0 or 1
 
 
 def tile_overrides(text: str | None = None) -> dict[str, int]:
@@ -231,35 +227,7 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
     G, D, T, C = p.G, p.D, p.T, BLOCK_ROWS
     HB, RG, RB, R, DC, VR = p.HB, p.RG, p.RB, p.R, p.DC, p.VR
     VH, VD, DG, HGV, RS, L2 = p.VH, p.VD, p.DG, p.HGV, p.RS, p.L2
-    KT, VL = p.KT, p.VL
-    KS, VS, WS = DC + 1, D + 1, R + 1  # padded strides of the K chunk, V chunk and weight rows (KT = VL = 0)
-    KTS, WR = R + 4, G + 4  # K^T rows (KT) and weight rows (VL): 16-byte aligned; 8 lanes' 16-byte stores
-    #                          of consecutive rows land in different banks
-
-    @ti.func
-    def k_at(r, col):
-        """Index in buf of the K chunk's element (tile row r, chunk dim col)."""
-        return col * KTS + r if ti.static(KT) else r * KS + col
-
-    @ti.func
-    def v_at(r, col):
-        """Index in buf of the V chunk's element (chunk row r, dim col)."""
-        return r * D + col if ti.static(VL) else r * VS + col
-
-    @ti.func
-    def w_at(h, r):
-        """Index in w_sh of head h's weight for tile row r."""
-        return r * WR + h if ti.static(VL) else h * WS + r
-
-    @ti.func
-    def score_row(sr, j: ti.template()):
-        """Tile row of a thread's j-th score row."""
-        return sr * RB + j if ti.static(KT) else sr + j * RG
-
-    @ti.func
-    def value_dim(dg, j: ti.template()):
-        """Head dim of a thread's j-th value accumulator."""
-        return dg * VD + j if ti.static(VL) else dg + DG * j
+    KS, VS, WS = DC + 1, D + 1, R + 1  # padded strides of the K chunk, V chunk and weight rows
     CHUNK = R * DC  # elements per chunk, K or V
     LOADS = CHUNK // T  # elements each thread moves per chunk
     NKC = D // DC  # K chunks per tile (V chunks: as many as the tile has rows for, see n_vc)
@@ -318,10 +286,10 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
         for k in ti.static(range(n)):
             if ti.static(is_k):
                 r, col = chunk_cell(tid, first + k, DC, K_SPLIT)
-                buf[k_at(r, col)] = ti.cast(stage[k], ti.f32)
+                buf[r * KS + col] = ti.cast(stage[k], ti.f32)
             else:
                 r, col = chunk_cell(tid, first + k, D, V_SPLIT)
-                buf[v_at(r, col)] = ti.cast(stage[k], ti.f32)
+                buf[r * VS + col] = ti.cast(stage[k], ti.f32)
 
     @ti.func
     def move_chunk(plane: ti.template(), buf: ti.template(), rows_sh: ti.template(), is_k: ti.template(), c, tid):
@@ -339,13 +307,13 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
                 if r_cur >= 0 and r_cur < count:
                     ti.simt.block.sync()
                     if tid < DC:
-                        buf[k_at(r_cur, tid)] = cur[layer, kvh, c * DC + tid]
+                        buf[r_cur * KS + tid] = cur[layer, kvh, c * DC + tid]
             else:
                 if r_cur >= c * VR and r_cur < ti.min(count, c * VR + VR):
                     ti.simt.block.sync()
                     e = tid
                     while e < D:
-                        buf[v_at(r_cur - c * VR, e)] = cur[layer, kvh, e]
+                        buf[(r_cur - c * VR) * VS + e] = cur[layer, kvh, e]
                         e += T
 
     @ti.func
@@ -393,8 +361,8 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
             state[tid] = RUNNING_MAX_INIT
             state[G + tid] = 0.0
 
-        # this thread's score tile: heads h0 + i, rows score_row(sr, j); value tile: heads vh0 + i,
-        # dims value_dim(dg, j), rows rs, rs + RS, ... of each V chunk
+        # this thread's score tile: heads h0 + i, rows sr + RG*j; value tile: heads vh0 + i,
+        # dims dg + DG*j, rows rs, rs + RS, ... of each V chunk
         h0, sr = udiv(tid, RG) * HB, umod(tid, RG)
         rs, vl = udiv(tid, HGV * DG), umod(tid, HGV * DG)
         vh0, dg = udiv(vl, DG) * VH, umod(vl, DG)
@@ -435,7 +403,7 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
                     for dd in range(DC):  # not unrolled: ptxas unrolls it.  Unrolled here by 4 it ran 172
                         # against 170 us at 131,072 keys, fully 232 (run 9); K rows padded to 16-byte
                         # alignment (stride 20) for 128-bit reads: 171 (run 9)
-                        kd = ti.Vector([buf[k_at(score_row(sr, j), dd)] for j in ti.static(range(RB))])
+                        kd = ti.Vector([buf[(sr + j * RG) * KS + dd] for j in ti.static(range(RB))])
                         for i in ti.static(range(HB)):
                             qd = q_sh[(h0 + i) * D + c * DC + dd]
                             for j in ti.static(range(RB)):
@@ -448,7 +416,7 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
                 for i in ti.static(range(HB)):
                     local = RUNNING_MAX_INIT
                     for j in ti.static(range(RB)):
-                        if score_row(sr, j) < count:
+                        if sr + j * RG < count:
                             local = ti.max(local, sc[i, j] * scale)
                     part[(h0 + i) * RG + sr] = local
             ti.simt.block.sync()
@@ -476,11 +444,11 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
                     m, f = state[h], state[G + h]
                     total = lsum[i] * f
                     for j in ti.static(range(RB)):
-                        r = score_row(sr, j)
+                        r = sr + j * RG
                         w = 0.0
                         if r < count:
                             w = ti.exp(sc[i, j] * scale - m)
-                        w_sh[w_at(h, r)] = w
+                        w_sh[h * WS + r] = w
                         total += w
                     lsum[i] = total
             if tid < VALUE_THREADS:
@@ -496,9 +464,9 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
                 if tid < VALUE_THREADS:
                     lr = rs
                     while lr < VR:  # unrolled (VR // RS rows) it ran 2-4 % slower (run 8)
-                        vv = ti.Vector([buf[v_at(lr, value_dim(dg, j))] for j in ti.static(range(VD))])
+                        vv = ti.Vector([buf[lr * VS + dg + DG * j] for j in ti.static(range(VD))])
                         for i in ti.static(range(VH)):
-                            w = w_sh[w_at(vh0 + i, c * VR + lr)]
+                            w = w_sh[(vh0 + i) * WS + c * VR + lr]
                             for j in ti.static(range(VD)):
                                 acc[i, j] = acc[i, j] + w * vv[j]
                         lr += RS
@@ -530,17 +498,17 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
             if rs == s:
                 for i in ti.static(range(VH)):
                     for j in ti.static(range(VD)):
-                        buf[(vh0 + i) * D + value_dim(dg, j)] = acc[i, j]
+                        buf[(vh0 + i) * D + dg + DG * j] = acc[i, j]
             ti.simt.block.sync()
             if rs == 0:
                 for i in ti.static(range(VH)):
                     for j in ti.static(range(VD)):
-                        acc[i, j] = acc[i, j] + buf[(vh0 + i) * D + value_dim(dg, j)]
+                        acc[i, j] = acc[i, j] + buf[(vh0 + i) * D + dg + DG * j]
             ti.simt.block.sync()
         if rs == 0:
             for i in ti.static(range(VH)):
                 for j in ti.static(range(VD)):
-                    partials[g, kvh * G + vh0 + i, wg, 2 + value_dim(dg, j)] = acc[i, j]
+                    partials[g, kvh * G + vh0 + i, wg, 2 + dg + DG * j] = acc[i, j]
 
     return work
 
@@ -553,8 +521,8 @@ def shared_arrays(plan: TilePlan) -> tuple:
     H200 where their sizes differed, docs/PERF.md run 11)."""
     G, D, R, RG, L2 = plan.G, plan.D, plan.R, plan.RG, plan.L2
     return (ti.simt.block.SharedArray((G * D,), ti.f32),  # q_sh: the group's queries
-            ti.simt.block.SharedArray((plan.BUF,), ti.f32),  # buf: K chunk | V chunk | O slices
-            ti.simt.block.SharedArray((R * (G + 4) if plan.VL else G * (R + 1),), ti.f32),  # w_sh: weights
+            ti.simt.block.SharedArray((plan.BUF,), ti.f32),  # buf: K chunk [R][KS] | V chunk [VR][VS] | O slices
+            ti.simt.block.SharedArray((G * (R + 1),), ti.f32),  # w_sh: weights [h][r]
             ti.simt.block.SharedArray((G * RG,), ti.f32),  # part: per (head, row group): max, then sum
             ti.simt.block.SharedArray((G * L2,), ti.f32),  # part2
             ti.simt.block.SharedArray((2 * G,), ti.f32),  # state: running max M, this tile's factor
