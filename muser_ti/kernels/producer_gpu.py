@@ -38,15 +38,16 @@ add.s64`` before its shared load (a third of all instructions, run 8); with udiv
 fold into the loads and the score loop is 256 FFMA + 80 shared loads per chunk (SASS, run 9).
 
 Known deficit (H200, docs/PERF.md runs 9 and 12): one NoPE layer at 131,072 keys takes ~146 us of
-producer time (~167 us with the reducer) against torch SDPA's 66-84 us.  The plane loads are generic
-``ld.b16`` (Taichi loads an ndarray's pointer from the argument buffer, so LLVM cannot prove it global),
-two bytes per lane: Taichi has no wider load of an f16 ndarray.  Run 9's ncu: 76 M warp instructions
-(2.3 per FMA), 51 % of issue slots busy, 8 warps per SM (221 registers, 2 workgroups).  Run 12 built
-each tile row's plane index once (plane_flat) instead of per staged element, and tried the shared
-layouts that let ptxas read 4 operands per 128-bit load: 61 M instructions, 190 registers, and the
-same time, because the issue rate fell to 40 %.  With 2 warps per scheduler what the kernel waits on
-is latency: shared-memory results (26 % of stall samples), the plane loads (18 %), fixed-latency
-dependencies (15 %).  torch uses tensor cores, which Taichi cannot.
+producer time (~166 us with the reducer) against torch SDPA's 66-107 us in the same processes.  The
+plane loads are generic ``ld.b16`` (Taichi loads an ndarray's pointer from the argument buffer, so LLVM
+cannot prove it global), two bytes per lane: Taichi has no wider load of an f16 ndarray.  ncu (run 12,
+this kernel): 74 M warp instructions (2.2 per FMA), 49 % of issue slots busy, 8 warps per SM (223
+registers, 2 workgroups).  Fewer instructions have not bought time twice now: run 9 cut 100 -> 76 M
+and gained 13 %; run 12's 128-bit shared layouts (K_CHUNK_DIMS, MAX_VALUE_DIMS) cut them to 61 M and
+190 registers and gained nothing, because the issue rate fell to 40 %.  With 2 warps per scheduler the
+kernel waits on latency: shared-memory results (26 % of stall samples), the plane loads (18 %),
+fixed-latency dependencies (15 %).  More warps cost more than they hide (GPU_PRODUCER_THREADS).  torch
+uses tensor cores, which Taichi cannot.
 
 Block ownership is the chapter's (block b belongs to workgroup (b // nsg) % nwg): a workgroup walks
 its owned rows in increasing order, R at a time, with one online-softmax update per tile.
@@ -64,14 +65,16 @@ GPU_PRODUCER_THREADS = 128  # T: 128 lets ptxas use 255 registers (see above).  
 #                            131,072 / 32,768 keys, device time: 170 / 74 us at T = 128, 198 / 82 at T = 256
 #                            (cap 128 registers), 194 / 78 at T = 256 with VH = 2 (run 9).  Before udiv/umod:
 #                            194-196 / 79-81 at T = 128, 220 / 86 at T = 256 (run 8); 64 threads ran 371 us at
-#                            131,072 (docs/PERF.md)
+#                            131,072 (docs/PERF.md).  T = 192 (cap 168 registers, 12 warps per SM, 192-row tiles)
+#                            spilled and ran 217 against 187 us (run 12, docs/perf/h200/run12/layouts-and-t192.patch)
 K_CHUNK_DIMS = 16  # DC: dimensions of K staged per chunk ([R][DC+1] f32 = 8.5 KiB at R = 128).  K staged transposed
-#                    ([DC][R + 4], a thread's 4 score rows in one 128-bit load): no gain either (run 12)
+#                    ([DC][R + 4], a thread's 4 score rows in one 128-bit load): no faster (run 12, MAX_VALUE_DIMS)
 MAX_SCORE_HEADS = 4  # HB: 8 x 2 tiles at T = 128 ran 173 vs 170 us (run 9); 8 x 1 at T = 256 ran 275 us
 #                      at 131,072 keys, against 262 for 4 x 2 (run 7)
 MAX_VALUE_DIMS = 8  # VD: value dims per thread, dims dg + DG*j.  Adjacent dims (dg*VD + j) over unpadded V rows,
-#                     with weights [row][G + 4], read a value row in three 128-bit loads instead of twelve, and
-#                     ran no faster: 182-188 against 182-185 us at 131,072 keys (run 12, either K layout); not kept
+#                     with weights [row][G + 4], read a value row in three 128-bit loads instead of twelve; with K
+#                     transposed too: 61 M instructions against 74 M, and 187-188 against 185-186 us at 131,072
+#                     keys (run 12, in one process; either layout alone 182 us); not kept
 MAX_VALUE_HEADS = 4  # VH: 4 x 8 = 32 accumulators.  2 x 8 ran 307 us against 257 at T = 256 (run 7); 8 x 8
 #                      with a prefetched chunk spilled twice as much at T = 128 (ncu, run 5)
 LOAD_GROUP = 16  # LG cap, unpipelined chunks only: loads in flight per thread before their stores; 8 and 4
