@@ -152,8 +152,9 @@ class Engine:
         self._groups: dict[tuple[int, ...], _Group] = {}
         self._graphs: dict[tuple, object] = {}  # GPU: compiled step graphs by dispatch structure
         # CUDA, Vulkan: a step on the default routes is one dispatch (kernels/step_gpu.py)
-        self._step_kernel = (build_step_kernel(D, G, KV, H) if gpu and backend.active() in ONE_DISPATCH_ARCHS
-                             and SWA in self.planes and NOPE in self.planes else None)
+        self._step_kernel = (build_step_kernel(D, G, KV, H, len(self.cfg.nope_layers), len(self.cfg.swa_layers))
+                             if gpu and backend.active() in ONE_DISPATCH_ARCHS and SWA in self.planes
+                             and NOPE in self.planes else None)
         self._recorded = None
         self._llama_runners: dict[int, object] = {}  # group size -> ggml graph runner (pinned rung, CPU)
         self._serving = None
@@ -470,8 +471,7 @@ class Engine:
         for kind in (NOPE, SWA):
             st = new_states[kind]
             grp, partials, nwg, nsg = self._producer_launch(kind, self.planes[kind].layers, p)
-            args += [self._k[kind], self._v[kind], partials, grp.layers_dev, grp.slots_dev, len(grp.layers),
-                     window_of(self.cfg, kind), st.capacity, st.origin_logical, st.origin_physical, st.physical(p),
+            args += [self._k[kind], self._v[kind], partials, grp.layers_dev, grp.slots_dev, window_of(self.cfg, kind), st.capacity, st.origin_logical, st.origin_physical, st.physical(p),
                      nwg, nsg]
         self._launch(self._step_kernel, *args)
 

@@ -43,9 +43,15 @@ from .stores import build_token_scan, token_accepted
 ONE_DISPATCH_ARCHS = ("cuda", "vulkan")
 
 
-def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int):
-    """The one-dispatch step for a geometry (compiled on its first launch, like every Taichi kernel)."""
-    D, KV, H = head_dim, n_kv, n_heads
+def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int, n_nope: int, n_swa: int):
+    """The one-dispatch step for a geometry with n_nope NoPE and n_swa SWA layers (compiled on its first
+    launch, like every Taichi kernel).
+
+    The layer counts are compile-time constants, so the scan, store and reducer tasks have constant loop
+    bounds: Taichi computes a non-constant bound in a one-thread task of its own, a CUDA launch ahead of
+    its loop (docs/PERF.md run 9).  Only the producers' bound, which moves with the split, stays an
+    argument."""
+    D, KV, H, L = head_dim, n_kv, n_heads, n_nope + n_swa
 
     def build():
         nope_work, plan = gpu_work(D, heads_per_kv, KV, HEAD_MAJOR, bypass=True)
@@ -62,18 +68,18 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int)
             position: ti.i32, scale: ti.f32,
             # NoPE (interleaved): plane, partials, group, plane state, this token's row, split geometry
             k_nope: f16_plane, v_nope: f16_plane, part_nope: f32_4d, layers_nope: i32_1d, slots_nope: i32_1d,
-            n_nope: ti.i32, window_nope: ti.i32, cap_nope: ti.i32, ol_nope: ti.i32, op_nope: ti.i32,
+            window_nope: ti.i32, cap_nope: ti.i32, ol_nope: ti.i32, op_nope: ti.i32,
             row_nope: ti.i32, nwg_nope: ti.i32, nsg_nope: ti.i32,
             # SWA (splitk): the same for the ring
             k_swa: f16_plane, v_swa: f16_plane, part_swa: f32_4d, layers_swa: i32_1d, slots_swa: i32_1d,
-            n_swa: ti.i32, window_swa: ti.i32, cap_swa: ti.i32, ol_swa: ti.i32, op_swa: ti.i32,
+            window_swa: ti.i32, cap_swa: ti.i32, ol_swa: ti.i32, op_swa: ti.i32,
             row_swa: ti.i32, nwg_swa: ti.i32, nsg_swa: ti.i32,
         ):
             # 1. the scan: flags[i] = stamp for a bad value (build_token_scan)
-            for layer, r, d in ti.ndrange(q.shape[0], H + 2 * KV, D):
+            for layer, r, d in ti.ndrange(L, H + 2 * KV, D):
                 check(q, k_cur, v_cur, flags, stamp, layer, r, d)
             # 2. this token's rows in both classes' planes, if the scan passed it
-            for g, kvh, d in ti.ndrange(n_nope + n_swa, KV, D):
+            for g, kvh, d in ti.ndrange(L, KV, D):
                 if token_accepted(flags, stamp):
                     if g < n_nope:
                         at_nope.fused_store(k_cur, v_cur, k_nope, v_nope, layers_nope[g], slots_nope[g], kvh,
@@ -98,7 +104,7 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int)
             # 4. both reducers in one task, a thread per (layer, head, dim), NoPE layers first: out, if the scan
             # passed the token.  (Two reducer tasks in one kernel failed Taichi 1.7.4's SPIR-V codegen with
             # "Value tmpN does not yet exist" while the reducer had shared arrays.)
-            for t in range((n_nope + n_swa) * H * D):
+            for t in range(L * H * D):
                 if t < n_nope * H * D:
                     reduce_work(t, part_nope, out, layers_nope, nwg_nope, token_accepted(flags, stamp))
                 else:
@@ -106,7 +112,7 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int)
 
         return step
 
-    return cached(("one_dispatch_step", D, heads_per_kv, KV, H), build)
+    return cached(("one_dispatch_step", D, heads_per_kv, KV, H, n_nope, n_swa), build)
 
 
 __all__ = ["ONE_DISPATCH_ARCHS", "build_step_kernel"]
