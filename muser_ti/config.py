@@ -172,7 +172,8 @@ def _validate(raw: Any, source: str) -> Geometry:
     for kind, rows in (("nope", max_context), ("swa", min(window + slack, max_context))):
         elements = kinds.count(kind) * n_kv_heads * rows * head_dim
         if elements >= _MAX_PLANE_ELEMENTS:
-            raise _fail(source, "max_context" if kind == "nope" else "window", max_context if kind == "nope" else window,
+            field = "max_context" if kind == "nope" else "window"
+            raise _fail(source, field, max_context if kind == "nope" else window,
                         f"a {kind} plane under 2**31 elements ({kinds.count(kind)} layers x n_kv_heads={n_kv_heads} x "
                         f"{rows} rows x head_dim={head_dim} = {elements:,}); Taichi indexes planes with 32 bits")
 

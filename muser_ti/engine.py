@@ -471,8 +471,8 @@ class Engine:
         for kind in (NOPE, SWA):
             st = new_states[kind]
             grp, partials, nwg, nsg = self._producer_launch(kind, self.planes[kind].layers, p)
-            args += [self._k[kind], self._v[kind], partials, grp.layers_dev, grp.slots_dev, window_of(self.cfg, kind), st.capacity, st.origin_logical, st.origin_physical, st.physical(p),
-                     nwg, nsg]
+            args += [self._k[kind], self._v[kind], partials, grp.layers_dev, grp.slots_dev, window_of(self.cfg, kind),
+                     st.capacity, st.origin_logical, st.origin_physical, st.physical(p), nwg, nsg]
         self._launch(self._step_kernel, *args)
 
     def _launch_routes(self, p, new_states, routes, q, k_dev, v_dev, out, out_dev):

@@ -64,7 +64,7 @@ def addressing(layout: str, n_kv: int):
         """The plane's element at a flat index (row_offset + d).  Taichi linearises plane[i, j, k, l] as
         ((i*n1 + j)*n2 + k)*n3 + l, so with zeros in front the index is used as is: the GPU producer builds
         a row's index once per tile row, not once per staged element (docs/PERF.md run 12).  Plane sizes
-        stay under 2**31 elements (planes.py checks), as Taichi's own 32-bit indexing needs."""
+        stay under 2**31 elements (config.py checks), as Taichi's own 32-bit indexing needs."""
         return plane[0, 0, 0, offset]
 
     @ti.func
