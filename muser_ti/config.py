@@ -166,18 +166,7 @@ def _validate(raw: Any, source: str) -> Geometry:
     slack = _int_field(raw, source, "swa_ring_slack", 0, max_context) if "swa_ring_slack" in raw else 0
     n_ubatch = _int_field(raw, source, "n_ubatch", 1, 1 << 16) if "n_ubatch" in raw else 512
 
-    # One class's layers share a plane; Taichi indexes an ndarray with 32-bit arithmetic (and the GPU
-    # producer with flat row indices, kernels/producer.py plane_flat), so a plane stays under 2**31 elements.
-    kinds = [pattern[i % len(pattern)] for i in range(n_layers)]
-    for kind, rows in (("nope", max_context), ("swa", min(window + slack, max_context))):
-        elements = kinds.count(kind) * n_kv_heads * rows * head_dim
-        if elements >= _MAX_PLANE_ELEMENTS:
-            field = "max_context" if kind == "nope" else "window"
-            raise _fail(source, field, max_context if kind == "nope" else window,
-                        f"a {kind} plane under 2**31 elements ({kinds.count(kind)} layers x n_kv_heads={n_kv_heads} x "
-                        f"{rows} rows x head_dim={head_dim} = {elements:,}); Taichi indexes planes with 32 bits")
-
-    return Geometry(
+    geom = Geometry(
         name=name,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
@@ -192,6 +181,16 @@ def _validate(raw: Any, source: str) -> Geometry:
         n_ubatch=n_ubatch,
         source=source,
     )
+    # One class's layers share a plane; Taichi indexes an ndarray with 32-bit arithmetic (and the GPU
+    # producer with flat row indices, kernels/producer.py plane_flat), so a plane stays under 2**31 elements.
+    for kind, layers, rows, field_name in ((NOPE, geom.nope_layers, max_context, "max_context"),
+                                            (SWA, geom.swa_layers, geom.swa_ring_capacity, "window")):
+        elements = len(layers) * n_kv_heads * rows * head_dim
+        if elements >= _MAX_PLANE_ELEMENTS:
+            raise _fail(source, field_name, raw[field_name],
+                        f"a {kind} plane under 2**31 elements ({len(layers)} layers x n_kv_heads={n_kv_heads} x "
+                        f"{rows} rows x head_dim={head_dim} = {elements:,}); Taichi indexes planes with 32 bits")
+    return geom
 
 
 def resolve_config_path(name_or_path: str | Path) -> Path:
