@@ -18,6 +18,7 @@ import taichi as ti
 
 from . import backend, ladder, llama_rung, plane_mirror
 from .config import NOPE, SWA, Geometry
+from .kernels import halves
 from .kernels.common import HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, on_gpu
 from .kernels.interleaved import build_interleaved
 from .kernels.splitk import build_splitk, gpu_split_geometry, splitk_geometry
@@ -213,7 +214,7 @@ class Engine:
 
     def _alloc_plane(self, kind: str, capacity: int):
         shape = plane_shape(self.cfg, kind, len(self.planes[kind].layers), capacity)
-        return ti.ndarray(ti.f16, shape), ti.ndarray(ti.f16, shape)
+        return halves.alloc(shape), halves.alloc(shape)
 
     def _group(self, layers: tuple[int, ...]) -> _Group:
         grp = self._groups.get(layers)
@@ -546,13 +547,17 @@ class Engine:
         """Copies of one layer's K and V planes (f16), its state and layout, for the reference and tests."""
         kind = self.cfg.layer_kinds[layer]
         slot = self._slot[layer]
-        k = self._k[kind].to_numpy()[slot]
-        v = self._v[kind].to_numpy()[slot]
-        return k, v, self.planes[kind].state, LAYOUT_OF[kind]
+        k, v = self.plane_halves(kind)
+        return k[slot], v[slot], self.planes[kind].state, LAYOUT_OF[kind]
+
+    def plane_halves(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of a class's K and V planes (every layer of the class), as float16 [..., head_dim]:
+        the device keeps them packed two halves to a word (kernels/halves.py), the same bytes."""
+        return halves.to_halves(self._k[kind]), halves.to_halves(self._v[kind])
 
     def planes_snapshot(self) -> dict[str, tuple[np.ndarray, np.ndarray, PlaneState]]:
         """Every class's planes (all layers) and state: compare before/after a rejected call."""
-        return {kind: (self._k[kind].to_numpy(), self._v[kind].to_numpy(), ps.state) for kind, ps in self.planes.items()}
+        return {kind: (*self.plane_halves(kind), ps.state) for kind, ps in self.planes.items()}
 
     def reference(self, q: np.ndarray, k_cur: np.ndarray | None = None, v_cur: np.ndarray | None = None,
                   routes: list[str] | None = None) -> np.ndarray:
@@ -564,7 +569,7 @@ class Engine:
         g = self.cfg
         p = self.position - 1
         routes = self.routes if routes is None else routes
-        snap = {kind: (self._k[kind].to_numpy(), self._v[kind].to_numpy()) for kind in self.planes}
+        snap = {kind: self.plane_halves(kind) for kind in self.planes}
         out = np.empty((g.n_layers, g.n_heads, g.head_dim), np.float64)
         for layer, kind in enumerate(g.layer_kinds):
             kp, vp = snap[kind]
@@ -649,7 +654,7 @@ class Engine:
         for arr in (self._k[kind], self._v[kind]):
             raw = taichi_plane(arr)
             buf = (ctypes.c_uint16 * raw.n_elems).from_address(raw.addr)
-            views.append(np.frombuffer(buf, dtype=np.float16).reshape(arr.shape))
+            views.append(np.frombuffer(buf, dtype=np.float16).reshape(halves.halves_shape(arr)))
         return views[0], views[1]
 
     def _llama_runner(self, n_nodes: int):

@@ -184,7 +184,9 @@ class RawPlane(NamedTuple):
 
 
 def taichi_plane(arr) -> RawPlane:
-    """RawPlane over a CPU Taichi f16 ndarray (its own memory, no copy).
+    """RawPlane over a CPU Taichi plane (its own memory, no copy): an f16 ndarray, or
+    the engine's packed planes (u32 words of two halves, low half first: the same
+    bytes as the f16 row, muser_ti/kernels/halves.py).
 
     Only valid on the CPU backend: on CUDA the pointer is a device address and
     on Vulkan/Metal Taichi returns 0.
@@ -193,12 +195,13 @@ def taichi_plane(arr) -> RawPlane:
     arch = ti.lang.impl.current_cfg().arch
     if arch not in (ti.x64, ti.arm64):
         raise ValueError(f"taichi_plane needs the CPU backend, Taichi runs on {arch}")
-    if arr.dtype != ti.f16:
-        raise TypeError(f"taichi plane must be f16, got {arr.dtype}")
+    halves_per_elem = {ti.f16: 1, ti.u32: 2}.get(arr.dtype)
+    if halves_per_elem is None:
+        raise TypeError(f"taichi plane must be f16 or packed u32 halves, got {arr.dtype}")
     addr = ti.lang.impl.get_runtime().prog.get_ndarray_data_ptr_as_int(arr.arr)
     if not addr:
         raise ValueError("Taichi returned a null data pointer (not a CPU ndarray?)")
-    n = 1
+    n = halves_per_elem
     for s in arr.shape:
         n *= int(s)
     for s in getattr(arr, "element_shape", ()) or ():

@@ -34,6 +34,7 @@ import numpy as np
 
 from .config import NOPE, SWA, ConfigError, Geometry, geometry_from_dict
 from .engine import Engine, EngineError
+from .kernels import halves
 from .planes import PlaneState, plane_shape
 
 FORMAT = "muser-ti-snapshot"
@@ -78,7 +79,7 @@ def engine_tensors_and_meta(engine: Engine) -> tuple[dict[str, np.ndarray], dict
     planes = {}
     for kind, ps in engine.planes.items():
         st = ps.state
-        k, v = engine._k[kind].to_numpy(), engine._v[kind].to_numpy()
+        k, v = engine.plane_halves(kind)
         if kind == NOPE:  # growing plane: only the rows tokens own
             k, v = k[:, :, : st.len], v[:, :, : st.len]
         tensors[f"{kind}.k"] = np.ascontiguousarray(k, dtype=PLANE_DTYPE)
@@ -310,8 +311,8 @@ def _apply(engine: Engine, snap: _Snapshot) -> None:
             dk, dv = engine._alloc_plane(kind, st.capacity)
         staged[kind] = (dk, dv, k, v, st)
     for kind, (dk, dv, k, v, st) in staged.items():
-        dk.from_numpy(k)
-        dv.from_numpy(v)
+        halves.from_halves(dk, k)
+        halves.from_halves(dv, v)
         engine._k[kind], engine._v[kind] = dk, dv
         engine.planes[kind].state = st
         if engine.mirror is not None:  # the mirror is re-synced in bulk from the file's rows

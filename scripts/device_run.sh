@@ -19,6 +19,8 @@
 #   paths  the one-dispatch step against the graph route, one process per backend (tune_gpu.py paths)
 #   hostab steps and one deep layer on this tree and on the tree in $AB_OLD (an older commit), the
 #          trace on this one, then Vulkan steps on both
+#   kernelab  after a kernel change: CUDA layers (CUPTI) on $AB_OLD and this tree, twice in alternation,
+#          ncu on one deep layer on both, and the PTX's plane loads on this tree
 # Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for
 # `tests` in parallel) and .gl (libvulkan1...).
 set -uo pipefail
@@ -201,4 +203,17 @@ if [ "$what" = hostab ]; then  # AB_OLD=build/ab_old: `git archive <commit> muse
   bash "$0" trace
   ab_bench vulkan-steps timeout 150 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,131072 \
     --repeats 15 --json @JSON@
+fi
+if [ "$what" = kernelab ]; then  # AB_OLD=build/ab_old, as hostab
+  for round in 1 2; do
+    ab_bench cuda-layers-$round timeout 120 python3 scripts/bench.py --arch cuda --mode layers \
+      --layer-depths ${AB_DEPTHS:-2048,32768,131072} --routes interleaved,splitk --repeats 15 --json @JSON@
+  done
+  ncu_layer old "/tmp/site:$PWD/$AB_OLD"
+  ncu_layer new /tmp/site:$PWD
+  (cd /tmp && MUSER_TI_PRINT_ASM=1 PYTHONPATH=/tmp/site:$OLDPWD timeout 120 python3 $OLDPWD/scripts/bench.py --arch cuda \
+    --mode layers --layer-depths 2048 --routes interleaved --repeats 2 > /dev/null 2>&1
+   for f in taichi_kernel_nvptx_*.ptx; do grep -q "\.entry producer" "$f" || continue
+     echo "$f: $(grep -cE 'ld(\.global)?\.(b16|u16)' "$f") 16-bit loads, $(grep -cE 'ld(\.global)?\.(b32|u32)' "$f") 32-bit loads"
+   done)
 fi

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import taichi as ti
 
+from muser_ti.kernels import halves
 from muser_ti.kernels.common import on_gpu
 from muser_ti.kernels.interleaved import build_interleaved
 from muser_ti.kernels.common import VISIT_OWNER
@@ -51,9 +52,9 @@ def run_recording(family, visible, nwg, nsg):
         producer = build_interleaved(D, G, KV, H, gpu, record=True)[0]
         plane_shape = (1, KV, capacity, D)
     rng = np.random.default_rng(0)
-    kp, vp = ti.ndarray(ti.f16, plane_shape), ti.ndarray(ti.f16, plane_shape)
-    kp.from_numpy(rng.standard_normal(plane_shape).astype(np.float16))
-    vp.from_numpy(rng.standard_normal(plane_shape).astype(np.float16))
+    kp, vp = halves.alloc(plane_shape), halves.alloc(plane_shape)
+    halves.from_halves(kp, rng.standard_normal(plane_shape).astype(np.float16))
+    halves.from_halves(vp, rng.standard_normal(plane_shape).astype(np.float16))
     q = rng.standard_normal((1, H, D)).astype(np.float32)
     kc = rng.standard_normal((1, KV, D)).astype(np.float32)
     partials = np.zeros((1, H, 32, 2 + D), np.float32)

@@ -16,7 +16,6 @@ WORKGROUP_THREADS = 128  # GPU threads per workgroup on the shared-memory path
 VISIT_OWNER = 64  # record mode adds 1 + 64*workgroup per visit: count = v % 64, owner = v // 64 (one visit)
 RUNNING_MAX_INIT = -3.402823466e38  # finite: exp(M_old - M_new) is 0 on the first block, never NaN
 
-f16_plane = ti.types.ndarray(dtype=ti.f16, ndim=4)
 f32_3d = ti.types.ndarray(dtype=ti.f32, ndim=3)
 f32_4d = ti.types.ndarray(dtype=ti.f32, ndim=4)
 i32_1d = ti.types.ndarray(dtype=ti.i32, ndim=1)

@@ -32,7 +32,8 @@ from types import SimpleNamespace
 import taichi as ti
 
 from .. import backend
-from .common import BLOCK_ROWS, HEAD_MAJOR, RUNNING_MAX_INIT, TOKEN_MAJOR, VISIT_OWNER, f16_plane, f32_3d, f32_4d, i32_1d, i32_2d
+from .common import BLOCK_ROWS, HEAD_MAJOR, RUNNING_MAX_INIT, TOKEN_MAJOR, VISIT_OWNER, f32_3d, f32_4d, i32_1d, i32_2d
+from .halves import HALVES_PER_WORD, high, low, pack, packed_plane
 from .producer_gpu import SHARED_BUDGET_BYTES, gpu_producer_work, gpu_tile_plan, shared_arrays, tile_overrides, udiv, umod
 
 
@@ -42,15 +43,16 @@ def addressing(layout: str, n_kv: int):
     KV = n_kv
 
     @ti.func
-    def plane_at(plane: ti.template(), slot, kvh, physical, d):
+    def plane_at(plane: ti.template(), slot, kvh, physical, w):
+        """Word w of a row (dimensions 2w and 2w + 1: the planes are packed, halves.py)."""
         if ti.static(layout == TOKEN_MAJOR):
-            return plane[slot, physical, kvh, d]
+            return plane[slot, physical, kvh, w]
         else:
-            return plane[slot, kvh, physical, d]
+            return plane[slot, kvh, physical, w]
 
     @ti.func
     def row_offset(plane: ti.template(), slot, kvh, physical):
-        """Flat element index of (slot, kvh, physical, 0) in the C-contiguous plane, for plane_flat."""
+        """Flat word index of (slot, kvh, physical, 0) in the C-contiguous plane, for plane_flat."""
         n1, n2, n3 = plane.shape[1], plane.shape[2], plane.shape[3]
         offset = 0
         if ti.static(layout == TOKEN_MAJOR):
@@ -61,10 +63,10 @@ def addressing(layout: str, n_kv: int):
 
     @ti.func
     def plane_flat(plane: ti.template(), offset):
-        """The plane's element at a flat index (row_offset + d).  Taichi linearises plane[i, j, k, l] as
+        """The plane's word at a flat index (row_offset + w).  Taichi linearises plane[i, j, k, l] as
         ((i*n1 + j)*n2 + k)*n3 + l, so with zeros in front the index is used as is: the GPU producer builds
-        a row's index once per tile row, not once per staged element (docs/PERF.md run 12).  Plane sizes
-        stay under 2**31 elements (config.py checks), as Taichi's own 32-bit indexing needs."""
+        a row's index once per tile row, not once per staged word (docs/PERF.md run 12).  Plane sizes
+        stay under 2**31 halves (config.py checks), as Taichi's own 32-bit indexing needs."""
         return plane[0, 0, 0, offset]
 
     @ti.func
@@ -81,13 +83,16 @@ def addressing(layout: str, n_kv: int):
 
     @ti.func
     def fused_store(k_cur: ti.template(), v_cur: ti.template(), k_plane: ti.template(), v_plane: ti.template(),
-                    layer, slot, kvh, row, d):
+                    layer, slot, kvh, row, w):
+        """Word w (dimensions 2w, 2w + 1) of the current token's K and V rows, rounded to f16."""
+        k = pack(k_cur[layer, kvh, 2 * w], k_cur[layer, kvh, 2 * w + 1])
+        v = pack(v_cur[layer, kvh, 2 * w], v_cur[layer, kvh, 2 * w + 1])
         if ti.static(layout == TOKEN_MAJOR):
-            k_plane[slot, row, kvh, d] = ti.cast(k_cur[layer, kvh, d], ti.f16)
-            v_plane[slot, row, kvh, d] = ti.cast(v_cur[layer, kvh, d], ti.f16)
+            k_plane[slot, row, kvh, w] = k
+            v_plane[slot, row, kvh, w] = v
         else:
-            k_plane[slot, kvh, row, d] = ti.cast(k_cur[layer, kvh, d], ti.f16)
-            v_plane[slot, kvh, row, d] = ti.cast(v_cur[layer, kvh, d], ti.f16)
+            k_plane[slot, kvh, row, w] = k
+            v_plane[slot, kvh, row, w] = v
 
     return SimpleNamespace(plane_at=plane_at, row_offset=row_offset, plane_flat=plane_flat, work_item=work_item,
                            physical_of=physical_of, fused_store=fused_store)
@@ -121,7 +126,7 @@ def producer_kernel(n_kv: int, cpu_item=None, gpu=None):
 
     @ti.kernel
     def producer(
-        q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, k_plane: f16_plane, v_plane: f16_plane,
+        q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, k_plane: packed_plane, v_plane: packed_plane,
         partials: f32_4d, visits: i32_2d,
         layers: i32_1d, slots: i32_1d, n_group: ti.i32,
         position: ti.i32, window: ti.i32, capacity: ti.i32, origin_logical: ti.i32, origin_physical: ti.i32,
@@ -156,15 +161,17 @@ def gpu_work(head_dim: int, heads_per_kv: int, n_kv: int, layout: str, bypass: b
 def _cpu_item_work(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, record: bool, at):
     """The CPU producer's work for one work item, a ti.func (producer_kernel runs it per item)."""
     D, G = head_dim, heads_per_kv
+    W = D // HALVES_PER_WORD  # words per plane row
     C = BLOCK_ROWS
     CPU_ROWS = 4  # K/V rows per register block (divides BLOCK_ROWS)
 
     @ti.func
-    def row_value(plane: ti.template(), slot, kvh, physical, d):
-        """f32 value of element d of a plane row.  The bypass is not decided here: a per-element
-        branch on ``logical == position`` cost 1.7x on the CPU (51.6 vs 30.7 ms for one NoPE layer at
-        32,768 keys); the current row is patched once per block instead."""
-        return ti.cast(at.plane_at(plane, slot, kvh, physical, d), ti.f32)
+    def row_pair(plane: ti.template(), slot, kvh, physical, w):
+        """f32 values of dimensions 2w and 2w + 1 of a plane row (one packed word).  The bypass is not
+        decided here: a per-element branch on ``logical == position`` cost 1.7x on the CPU (51.6 vs
+        30.7 ms for one NoPE layer at 32,768 keys); the current row is patched once per block instead."""
+        word = at.plane_at(plane, slot, kvh, physical, w)
+        return low(word), high(word)
 
     @ti.func
     def next_owned(block, chunk_pos, nwg, nsg):
@@ -186,8 +193,8 @@ def _cpu_item_work(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, re
         if ti.static(bypass):
             if wg == 0:
                 row = at.physical_of(position, capacity, origin_logical, origin_physical)
-                for d in range(D):
-                    at.fused_store(k_cur, v_cur, k_plane, v_plane, layer, slot, kvh, row, d)
+                for w in range(W):
+                    at.fused_store(k_cur, v_cur, k_plane, v_plane, layer, slot, kvh, row, w)
         # Everything hot lives in local (stack) arrays, vectorised across the G sibling heads:
         # qT[d, h] and OT[d, h] keep the heads contiguous, so the static head loops below
         # become 8-wide SIMD (no reductions over d, so no fast-math reassociation needed).
@@ -214,11 +221,12 @@ def _cpu_item_work(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, re
                     logicals[j] = logical_start + first + ti.min(rr * CPU_ROWS + j, count - 1)
                     physs[j] = at.physical_of(logicals[j], capacity, origin_logical, origin_physical)
                 acc = ti.Matrix.zero(ti.f32, CPU_ROWS, G)
-                for d in range(D):
+                for w in range(W):  # dimensions 2w, then 2w + 1: the sum's order is the per-dimension loop's
                     for j in ti.static(range(CPU_ROWS)):
-                        kd = row_value(k_plane, slot, kvh, physs[j], d)
+                        k0, k1 = row_pair(k_plane, slot, kvh, physs[j], w)
                         for h in ti.static(range(G)):
-                            acc[j, h] = acc[j, h] + qT[d, h] * kd
+                            acc[j, h] = acc[j, h] + qT[2 * w, h] * k0
+                            acc[j, h] = acc[j, h] + qT[2 * w + 1, h] * k1
                 for j in ti.static(range(CPU_ROWS)):
                     for h in ti.static(range(G)):
                         P[rr * CPU_ROWS + j, h] = acc[j, h] * scale
@@ -269,15 +277,20 @@ def _cpu_item_work(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, re
                     if keep:
                         for h in ti.static(range(G)):
                             wts[j, h] = P[r, h]
-                for d in range(D):
-                    vds = ti.Vector([0.0] * CPU_ROWS)
+                for w in range(W):
+                    v0 = ti.Vector([0.0] * CPU_ROWS)
+                    v1 = ti.Vector([0.0] * CPU_ROWS)
                     for j in ti.static(range(CPU_ROWS)):
-                        vds[j] = row_value(v_plane, slot, kvh, physs[j], d)
+                        pair = row_pair(v_plane, slot, kvh, physs[j], w)
+                        v0[j] = pair[0]
+                        v1[j] = pair[1]
                     for h in ti.static(range(G)):
-                        o = OT[d, h]
+                        o0, o1 = OT[2 * w, h], OT[2 * w + 1, h]
                         for j in ti.static(range(CPU_ROWS)):
-                            o = o + wts[j, h] * vds[j]
-                        OT[d, h] = o
+                            o0 = o0 + wts[j, h] * v0[j]
+                            o1 = o1 + wts[j, h] * v1[j]
+                        OT[2 * w, h] = o0
+                        OT[2 * w + 1, h] = o1
             if ti.static(bypass):
                 if r_cur < count:
                     for d in range(D):

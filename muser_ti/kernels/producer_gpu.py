@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import taichi as ti
 
 from .common import BLOCK_ROWS, RUNNING_MAX_INIT, VISIT_OWNER
+from .halves import HALVES_PER_WORD, high, low
 
 SHARED_BUDGET_BYTES = {"cuda": 48 * 1024, "vulkan": 48 * 1024, "metal": 32 * 1024}  # without opt-in
 GPU_PRODUCER_THREADS = 128  # T: 128 lets ptxas use 255 registers (see above).  One NoPE layer on the H200 at
@@ -133,7 +134,7 @@ class TilePlan:
     RS: int  # row slices in the value pass
     L2: int  # threads per head in the tile-max reduction
     BUF: int  # floats in the K/V chunk buffer
-    LG: int  # chunk loads each thread issues before their stores (divides the chunk's loads per thread)
+    LG: int  # chunk words each thread loads before their stores (divides the chunk's words per thread)
     shared_bytes: int
     PF: int = PREFETCH  # 1: each chunk's loads are issued a chunk ahead (software pipelining)
 
@@ -169,19 +170,20 @@ def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB
     L2 = T // G
     if PF not in (0, 1):
         raise ValueError(f"prefetch PF={PF}: expected 0 or 1")
-    if DC < 1 or D % DC or DC > T:
-        raise ValueError(f"K chunk dims DC={DC}: expected a divisor of head_dim {D} of at most T={T}")
+    if DC < HALVES_PER_WORD or D % DC or DC % HALVES_PER_WORD or DC > T:
+        raise ValueError(f"K chunk dims DC={DC}: expected an even divisor of head_dim {D} of at most T={T} "
+                         f"(a chunk row is whole packed words)")
     for RB in range(max(1, max_r // RG), 0, -1):  # the largest tile (R = RG x RB rows) that fits
         R = RG * RB
         chunk = R * DC
-        if chunk % D or chunk % T or R % (chunk // D):
+        if chunk % D or chunk % (HALVES_PER_WORD * T) or R % (chunk // D):  # every thread moves whole words
             continue
         VR = chunk // D
         buf = max(R * (DC + 1), VR * (D + 1), G * D if RS > 1 else 0)
         floats = G * D + buf + G * (R + 1) + G * RG + G * L2 + 2 * G
         shared = 4 * (floats + R)
         if shared <= budget:
-            lg = _largest_divisor(chunk // T, LG)
+            lg = _largest_divisor(chunk // (HALVES_PER_WORD * T), LG)
             return TilePlan(G, D, T, HB, HG, RG, RB, R, DC, VR, VH, VD, DG, HGV, RS, L2, buf, lg, shared, PF)
     raise ValueError(f"no GPU tile for {G} heads per KV head at head_dim {D} fits {budget} bytes of shared memory "
                      f"(the queries alone take {4 * G * D})")
@@ -231,8 +233,9 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
     HB, RG, RB, R, DC, VR = p.HB, p.RG, p.RB, p.R, p.DC, p.VR
     VH, VD, DG, HGV, RS, L2 = p.VH, p.VD, p.DG, p.HGV, p.RS, p.L2
     KS, VS, WS = DC + 1, D + 1, R + 1  # padded strides of the K chunk, V chunk and weight rows
-    CHUNK = R * DC  # elements per chunk, K or V
-    LOADS = CHUNK // T  # elements each thread moves per chunk
+    CHUNK = R * DC  # halves per chunk, K or V
+    LOADS = CHUNK // (HALVES_PER_WORD * T)  # packed words (two halves each) each thread moves per chunk
+    DCW, DW = DC // HALVES_PER_WORD, D // HALVES_PER_WORD  # words per K chunk row, per V row
     NKC = D // DC  # K chunks per tile (V chunks: as many as the tile has rows for, see n_vc)
     SCORE_THREADS, VALUE_THREADS = p.HG * RG, RS * HGV * DG
     LG, PF = p.LG, p.PF
@@ -253,14 +256,14 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
                     ti.atomic_add(visits[g, rel // C], 1 + VISIT_OWNER * wg)
             i += T
 
-    # Element k of a thread's share of a chunk is e = tid + k*T.  Where T is a multiple of the chunk's row
-    # length (DC for K, D for V) its row is tid // len + k * (T // len) and its column tid % len: one base
-    # per thread plus a constant per k, instead of a divide and a modulo per element.
-    K_SPLIT, V_SPLIT = T % DC == 0, T % D == 0
+    # Word k of a thread's share of a chunk is e = tid + k*T.  Where T is a multiple of the chunk's row
+    # length in words (DCW for K, DW for V) its row is tid // len + k * (T // len) and its column tid % len:
+    # one base per thread plus a constant per k, instead of a divide and a modulo per word.
+    K_SPLIT, V_SPLIT = T % DCW == 0, T % DW == 0
 
     @ti.func
     def chunk_cell(e0, k: ti.template(), width: ti.template(), split: ti.template()):
-        """(row, column) of element tid + k*T of a chunk whose rows are ``width`` wide (e0 = tid)."""
+        """(row, word column) of word tid + k*T of a chunk whose rows are ``width`` words (e0 = tid)."""
         row, col = 0, 0
         if ti.static(split):
             row, col = udiv(e0, width) + k * (T // width), umod(e0, width)
@@ -271,15 +274,15 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
     @ti.func
     def load_chunk(plane: ti.template(), rows_sh: ti.template(), is_k: ti.template(), c, tid,
                    first: ti.template(), n: ti.template()):
-        """Elements first .. first+n-1 of this thread's share of chunk c (K: dims c*DC.., V: rows c*VR..),
-        kept f16: converted only when stored, so nothing waits for the loads before then."""
-        stage = ti.Vector([0.0] * n, dt=ti.f16)
+        """Words first .. first+n-1 of this thread's share of chunk c (K: dims c*DC.., V: rows c*VR..),
+        kept packed: unpacked only when stored, so nothing waits for the loads before then."""
+        stage = ti.Vector([0] * n, dt=ti.u32)
         for k in ti.static(range(n)):
             if ti.static(is_k):
-                r, col = chunk_cell(tid, first + k, DC, K_SPLIT)
-                stage[k] = at.plane_flat(plane, rows_sh[r] + c * DC + col)
+                r, col = chunk_cell(tid, first + k, DCW, K_SPLIT)
+                stage[k] = at.plane_flat(plane, rows_sh[r] + c * DCW + col)
             else:
-                r, col = chunk_cell(tid, first + k, D, V_SPLIT)
+                r, col = chunk_cell(tid, first + k, DW, V_SPLIT)
                 stage[k] = at.plane_flat(plane, rows_sh[c * VR + r] + col)
         return stage
 
@@ -287,16 +290,19 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
     def store_chunk(buf: ti.template(), stage: ti.template(), is_k: ti.template(), tid, first: ti.template(),
                     n: ti.template()):
         for k in ti.static(range(n)):
+            base = 0
             if ti.static(is_k):
-                r, col = chunk_cell(tid, first + k, DC, K_SPLIT)
-                buf[r * KS + col] = ti.cast(stage[k], ti.f32)
+                r, col = chunk_cell(tid, first + k, DCW, K_SPLIT)
+                base = r * KS + HALVES_PER_WORD * col
             else:
-                r, col = chunk_cell(tid, first + k, D, V_SPLIT)
-                buf[r * VS + col] = ti.cast(stage[k], ti.f32)
+                r, col = chunk_cell(tid, first + k, DW, V_SPLIT)
+                base = r * VS + HALVES_PER_WORD * col
+            buf[base] = low(stage[k])
+            buf[base + 1] = high(stage[k])
 
     @ti.func
     def move_chunk(plane: ti.template(), buf: ti.template(), rows_sh: ti.template(), is_k: ti.template(), c, tid):
-        """Chunk c from the plane to shared f32, LOAD_GROUP loads in flight per thread before their stores."""
+        """Chunk c from the plane to shared f32, LOAD_GROUP words in flight per thread before their stores."""
         for grp in ti.static(range(LOADS // LG)):
             store_chunk(buf, load_chunk(plane, rows_sh, is_k, c, tid, grp * LG, LG), is_k, tid, grp * LG, LG)
 
@@ -353,7 +359,7 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
             if wg == 0:
                 row = at.physical_of(position, capacity, origin_logical, origin_physical)
                 e = tid
-                while e < D:
+                while e < DW:
                     at.fused_store(k_cur, v_cur, k_plane, v_plane, layer, slot, kvh, row, e)
                     e += T
         e = tid
@@ -396,7 +402,7 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
             ti.simt.block.sync()
 
             sc = ti.Matrix.zero(ti.f32, HB, RB)
-            ahead = ti.Vector([0.0] * LOADS, dt=ti.f16)  # PF: this thread's share of the next chunk, in flight
+            ahead = ti.Vector([0] * LOADS, dt=ti.u32)  # PF: this thread's share of the next chunk, in flight
             if ti.static(PF):
                 ahead = load_chunk(k_plane, rows_sh, True, 0, tid, 0, LOADS)
             for c in range(NKC):

@@ -34,7 +34,8 @@ and could not be compiled or run for Metal on these machines.
 
 import taichi as ti
 
-from .common import HEAD_MAJOR, TOKEN_MAJOR, cached, f16_plane, f32_3d, f32_4d, i32_1d
+from .common import HEAD_MAJOR, TOKEN_MAJOR, cached, f32_3d, f32_4d, i32_1d
+from .halves import HALVES_PER_WORD, packed_plane
 from .merge import build_reduce
 from .producer import addressing, gpu_work
 from .producer_gpu import shared_arrays, udiv, umod
@@ -67,19 +68,19 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int,
             q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, out: f32_3d, flags: i32_1d, stamp: ti.i32,
             position: ti.i32, scale: ti.f32,
             # NoPE (interleaved): plane, partials, group, plane state, this token's row, split geometry
-            k_nope: f16_plane, v_nope: f16_plane, part_nope: f32_4d, layers_nope: i32_1d, slots_nope: i32_1d,
+            k_nope: packed_plane, v_nope: packed_plane, part_nope: f32_4d, layers_nope: i32_1d, slots_nope: i32_1d,
             window_nope: ti.i32, cap_nope: ti.i32, ol_nope: ti.i32, op_nope: ti.i32,
             row_nope: ti.i32, nwg_nope: ti.i32, nsg_nope: ti.i32,
             # SWA (splitk): the same for the ring
-            k_swa: f16_plane, v_swa: f16_plane, part_swa: f32_4d, layers_swa: i32_1d, slots_swa: i32_1d,
+            k_swa: packed_plane, v_swa: packed_plane, part_swa: f32_4d, layers_swa: i32_1d, slots_swa: i32_1d,
             window_swa: ti.i32, cap_swa: ti.i32, ol_swa: ti.i32, op_swa: ti.i32,
             row_swa: ti.i32, nwg_swa: ti.i32, nsg_swa: ti.i32,
         ):
             # 1. the scan: flags[i] = stamp for a bad value (build_token_scan)
             for layer, r, d in ti.ndrange(L, H + 2 * KV, D):
                 check(q, k_cur, v_cur, flags, stamp, layer, r, d)
-            # 2. this token's rows in both classes' planes, if the scan passed it
-            for g, kvh, d in ti.ndrange(L, KV, D):
+            # 2. this token's rows in both classes' planes, if the scan passed it: a thread per packed word
+            for g, kvh, d in ti.ndrange(L, KV, D // HALVES_PER_WORD):
                 if token_accepted(flags, stamp):
                     if g < n_nope:
                         at_nope.fused_store(k_cur, v_cur, k_nope, v_nope, layers_nope[g], slots_nope[g], kvh,

@@ -2,7 +2,8 @@
 
 One launch stores the token for every layer of a group, so the launch count per token does not
 grow with the number of layers.  The prefill stores write many tokens in one launch; the grow copy
-moves a head-major plane into a larger allocation.
+moves a head-major plane into a larger allocation.  A thread writes one word of two halves (the planes
+are packed, halves.py): two threads never share a word.
 """
 
 
@@ -10,47 +11,50 @@ from types import SimpleNamespace
 
 import taichi as ti
 
-from .common import HEAD_MAJOR, TOKEN_MAJOR, cached, f16_plane, f32_3d, f32_4d, i32_1d
+from .common import HEAD_MAJOR, TOKEN_MAJOR, cached, f32_3d, f32_4d, i32_1d
+from .halves import HALVES_PER_WORD, pack, packed_plane
 
 
 def build_stores(head_dim: int, n_kv: int, layout: str):
     D, KV = head_dim, n_kv
+    W = D // HALVES_PER_WORD  # words per plane row
 
     def build():
         @ti.func
-        def put(plane: ti.template(), slot, row, kvh, d, value):
+        def put(plane: ti.template(), slot, row, kvh, w, lo, hi):
+            """Word w of a row: dimensions 2w and 2w + 1."""
             if ti.static(layout == TOKEN_MAJOR):
-                plane[slot, row, kvh, d] = ti.cast(value, ti.f16)
+                plane[slot, row, kvh, w] = pack(lo, hi)
             else:
-                plane[slot, kvh, row, d] = ti.cast(value, ti.f16)
+                plane[slot, kvh, row, w] = pack(lo, hi)
 
         @ti.kernel
         def store_token(
-            k_cur: f32_3d, v_cur: f32_3d, k_plane: f16_plane, v_plane: f16_plane,
+            k_cur: f32_3d, v_cur: f32_3d, k_plane: packed_plane, v_plane: packed_plane,
             layers: i32_1d, slots: i32_1d, n_group: ti.i32, row: ti.i32,
         ):
             """Write the current token (row ``row``) of every layer in the group."""
-            for g, kvh, d in ti.ndrange(n_group, KV, D):
+            for g, kvh, w in ti.ndrange(n_group, KV, W):
                 layer, slot = layers[g], slots[g]
-                put(k_plane, slot, row, kvh, d, k_cur[layer, kvh, d])
-                put(v_plane, slot, row, kvh, d, v_cur[layer, kvh, d])
+                put(k_plane, slot, row, kvh, w, k_cur[layer, kvh, 2 * w], k_cur[layer, kvh, 2 * w + 1])
+                put(v_plane, slot, row, kvh, w, v_cur[layer, kvh, 2 * w], v_cur[layer, kvh, 2 * w + 1])
 
         @ti.kernel
         def store_tokens(
-            k: f32_4d, v: f32_4d, k_plane: f16_plane, v_plane: f16_plane,
+            k: f32_4d, v: f32_4d, k_plane: packed_plane, v_plane: packed_plane,
             layers: i32_1d, slots: i32_1d, n_group: ti.i32, rows: i32_1d, first: ti.i32, n_rows: ti.i32,
         ):
             """Prefill: token ``first + t`` of k/v [n_tokens, layer, kv, d] lands in row ``rows[t]``."""
-            for t, g, kvh, d in ti.ndrange(n_rows, n_group, KV, D):
-                layer, slot = layers[g], slots[g]
-                put(k_plane, slot, rows[t], kvh, d, k[first + t, layer, kvh, d])
-                put(v_plane, slot, rows[t], kvh, d, v[first + t, layer, kvh, d])
+            for t, g, kvh, w in ti.ndrange(n_rows, n_group, KV, W):
+                layer, slot, i = layers[g], slots[g], first + t
+                put(k_plane, slot, rows[t], kvh, w, k[i, layer, kvh, 2 * w], k[i, layer, kvh, 2 * w + 1])
+                put(v_plane, slot, rows[t], kvh, w, v[i, layer, kvh, 2 * w], v[i, layer, kvh, 2 * w + 1])
 
         @ti.kernel
-        def copy_rows(src: f16_plane, dst: f16_plane, n_slots: ti.i32, n_rows: ti.i32):
+        def copy_rows(src: packed_plane, dst: packed_plane, n_slots: ti.i32, n_rows: ti.i32):
             """Move the first n_rows of every (layer, kv head) of a head-major plane into a larger one."""
-            for slot, kvh, r, d in ti.ndrange(n_slots, KV, n_rows, D):
-                dst[slot, kvh, r, d] = src[slot, kvh, r, d]
+            for slot, kvh, r, w in ti.ndrange(n_slots, KV, n_rows, W):
+                dst[slot, kvh, r, w] = src[slot, kvh, r, w]
 
         return SimpleNamespace(store_token=store_token, store_tokens=store_tokens,
                                copy_rows=copy_rows if layout == HEAD_MAJOR else None)

@@ -1,0 +1,81 @@
+"""How the f16 KV planes are stored: packed, two halves to a u32 word.
+
+A plane row of head_dim halves is head_dim / 2 words; word w holds dimension 2w in its low 16 bits and
+2w + 1 in its high 16 bits.  On a little-endian machine those are exactly the bytes of the f16 row, so
+a host view is a reinterpretation (``to_halves``), and ggml reads the same memory as f16.
+
+Why packed: Taichi loads an f16 ndarray one element at a time (``ld.b16`` on CUDA, a ``ushort`` per
+element on SPIR-V) and cannot reinterpret an ndarray's dtype, so the only way to load a plane wider
+than 2 bytes per lane is to store it in a wider type.  u32 is the widest type every backend has
+(SPIR-V's u64 needs Int64, which Taichi's Metal backend enables only on Apple3+); the halves are
+converted in registers with exact f16 -> f32 conversions, so every value is the one an f16 plane held.
+"""
+
+import numpy as np
+import taichi as ti
+
+HALVES_PER_WORD = 2
+LOW_HALF = 0xFFFF
+
+packed_plane = ti.types.ndarray(dtype=ti.u32, ndim=4)  # [..., head_dim / 2] words of two halves
+
+
+@ti.func
+def half_bits(x):
+    """The f16 bits of f32 ``x`` rounded to nearest even (what ti.cast(x, ti.f16) stores), as a u32."""
+    return ti.cast(ti.bit_cast(ti.cast(x, ti.f16), ti.u16), ti.u32)
+
+
+@ti.func
+def pack(lo, hi):
+    """One word from two f32 values: ``lo`` is dimension 2w, ``hi`` 2w + 1 (both rounded to f16)."""
+    return half_bits(lo) | (half_bits(hi) << 16)
+
+
+@ti.func
+def low(word):
+    """The f32 value of a word's low half (dimension 2w), exact."""
+    return ti.cast(ti.bit_cast(ti.cast(word & LOW_HALF, ti.u16), ti.f16), ti.f32)
+
+
+@ti.func
+def high(word):
+    """The f32 value of a word's high half (dimension 2w + 1), exact."""
+    return ti.cast(ti.bit_cast(ti.cast(word >> 16, ti.u16), ti.f16), ti.f32)
+
+
+def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The words' shape of a plane whose halves have ``shape`` (its last dimension, head_dim, is even:
+    config.HEAD_DIMS)."""
+    *lead, d = shape
+    if d % HALVES_PER_WORD:
+        raise ValueError(f"a packed plane row holds pairs of halves: head_dim {d} must be even")
+    return (*lead, d // HALVES_PER_WORD)
+
+
+def alloc(shape: tuple[int, ...]):
+    """A zeroed packed plane for halves of ``shape``."""
+    return ti.ndarray(ti.u32, packed_shape(shape))
+
+
+def halves_shape(arr) -> tuple[int, ...]:
+    """The shape in halves of a packed plane (an ndarray of words)."""
+    *lead, words = arr.shape
+    return (*lead, words * HALVES_PER_WORD)
+
+
+def to_halves(arr) -> np.ndarray:
+    """A host copy of a packed plane as float16, shape [..., head_dim]."""
+    return arr.to_numpy().view(np.float16)
+
+
+def from_halves(arr, halves: np.ndarray) -> None:
+    """Write float16 ``halves`` (shape [..., head_dim]) into a packed plane."""
+    words = np.ascontiguousarray(halves, dtype=np.float16).view(np.uint32)
+    if words.shape != tuple(arr.shape):
+        raise ValueError(f"halves of shape {halves.shape} do not fill a packed plane of {tuple(arr.shape)} words")
+    arr.from_numpy(words)
+
+
+__all__ = ["HALVES_PER_WORD", "alloc", "from_halves", "halves_shape", "high", "low", "pack", "packed_plane",
+           "packed_shape", "to_halves"]
