@@ -65,13 +65,14 @@ if [ "$what" = quick ]; then  # CUDA layers and steps, Vulkan steps: the figures
   bench vulkan-steps timeout 120 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
     --repeats 15 --json "$OUT/vulkan-steps.json"
 fi
-ncu_layer() {  # name, PYTHONPATH: ncu on one interleaved layer at 131,072 keys (one producer launch)
+ncu_layer() {  # name, tree (default: this one): ncu on one interleaved layer at 131,072 keys (one producer launch).
+  # Run from the tree: bench.py puts its own tree first on sys.path, so PYTHONPATH alone does not pick one
   local ncu; ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  PYTHONPATH=$2 timeout 150 "$ncu" --clock-control none -k regex:producer --launch-skip 3 --launch-count 1 \
+  (cd "${2:-.}" && PYTHONPATH=/tmp/site:$PWD timeout 150 "$ncu" --clock-control none -k regex:producer --launch-skip 3 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
     --section InstructionStats python3 scripts/bench.py --arch cuda --mode layers --layer-depths 131072 \
-    --routes interleaved --repeats 2 > "$OUT/ncu-$1.txt" 2>&1; echo "== ncu $1 rc=$?"
+    --routes interleaved --repeats 2 > "$OUT/ncu-$1.txt" 2>&1); echo "== ncu $1 rc=$? (1: bench.py's CUPTI clashes with ncu after the profiled launch)"
   grep -E "^ *(Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Executed Instructions |Local Memory Spilling Requests |Block Limit (Registers|Shared))" "$OUT/ncu-$1.txt"
 }
 if [ "$what" = kernel ]; then  # after a producer change: workgroup targets on CUDA layers, and ncu
@@ -80,7 +81,7 @@ if [ "$what" = kernel ]; then  # after a producer change: workgroup targets on C
       scripts/bench.py --arch cuda --mode layers --layer-depths 2048,32768,131072 --routes interleaved,splitk \
       --repeats 15 --json "$OUT/layers-wg$target.json"
   done
-  ncu_layer producer /tmp/site:$PWD
+  ncu_layer producer
 fi
 if [ "$what" = final ]; then  # the suite on both backends, then the steps on both (rows for docs/PERF.md)
   timeout 250 python3 -m pytest -q -p no:cacheprovider --arch cuda --arch vulkan tests/ 2>&1 | tail -4
@@ -150,7 +151,7 @@ if [ "$what" = hoststep ]; then  # where a step's wall time goes, CUDA and Vulka
   echo "== tune vulkan rc=$?"; grep -E '^\{' "$OUT/tune-vulkan.log" | cut -c1-400
 fi
 if [ "$what" = ncu ]; then  # ncu's counters on one deep NoPE layer's producer
-  ncu_layer producer /tmp/site:$PWD
+  ncu_layer producer
 fi
 if [ "$what" = stalls ]; then  # why warps wait: ncu's stall reasons and the SASS lines they sample most
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
@@ -209,8 +210,8 @@ if [ "$what" = kernelab ]; then  # AB_OLD=build/ab_old, as hostab
     ab_bench cuda-layers-$round timeout 120 python3 scripts/bench.py --arch cuda --mode layers \
       --layer-depths ${AB_DEPTHS:-2048,32768,131072} --routes interleaved,splitk --repeats 15 --json @JSON@
   done
-  ncu_layer old "/tmp/site:$PWD/$AB_OLD"
-  ncu_layer new /tmp/site:$PWD
+  ncu_layer old "$AB_OLD"
+  ncu_layer new
   (cd /tmp && MUSER_TI_PRINT_ASM=1 PYTHONPATH=/tmp/site:$OLDPWD timeout 120 python3 $OLDPWD/scripts/bench.py --arch cuda \
     --mode layers --layer-depths 2048 --routes interleaved --repeats 2 > /dev/null 2>&1
    for f in taichi_kernel_nvptx_*.ptx; do grep -q "\.entry producer" "$f" || continue
