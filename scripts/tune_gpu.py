@@ -6,6 +6,7 @@
     python scripts/tune_gpu.py trace --depths 2048,131072 --trace-dir out/traces
     python scripts/tune_gpu.py launch --arch cuda
     python scripts/tune_gpu.py paths --arch cuda --depths 2048,131072
+    python scripts/tune_gpu.py stephost --arch cuda --depth 2048
 
 tiles: one NoPE layer (interleaved producer + reducer) per depth, prefilled once; every tile variant
 (a MUSER_GPU_TILE string, "" = the default plan) is built, checked against the float64 reference on
@@ -31,6 +32,11 @@ with the host's time inside Taichi's graph launch (C++ included).  Run 11 also k
 default memory pool (Taichi's per-launch buffers) across synchronisations: no change, so it is gone.
 Between processes on the lent H200 the host's speed moved torch's launch-bound step by 1.7x (run 11),
 more than the difference measured here.
+
+stephost: where the host's time inside Taichi's graph run of the one-dispatch step goes, at one depth:
+the step's own graph replayed with the values it was given, against kernels with the same 31
+arguments and trivial bodies (one task, and five tasks as the step has), Taichi's Python wrapper
+(Graph.run) against its C++ entry (jit_run), and the CompileConfig copy the wrapper makes per run.
 
 Every figure is a median; rows are printed as JSON lines and written to --json.
 """
@@ -358,9 +364,93 @@ def paths(args, rows) -> None:
     _graph.Graph.run = run
 
 
+def stephost(args, rows) -> None:
+    """The one dispatch's host time, taken apart: see the module docstring."""
+    import taichi as ti
+    from taichi.graph import _graph
+    from taichi.lang import impl
+
+    from muser_ti.kernels.halves import packed_plane
+
+    cfg = mt.load_config(args.config)
+    rng = np.random.default_rng(args.seed)
+    eng = mt.Engine(cfg, arch=args.arch, pinned="off")
+    prefill(eng, args.depth - 1, rng)
+    q, k, v = random_token(cfg, rng)
+    dev = device_token(q, k, v)
+    out = ti.ndarray(ti.f32, q.shape)
+    seen = []
+    run = _graph.Graph.run
+    _graph.Graph.run = lambda self, values: (seen.append((self, dict(values))), run(self, values))[1]
+    eng.step_device(*dev, out)
+    ti.sync()
+    _graph.Graph.run = run
+    graph, values = seen[-1]
+    repeats = args.repeats * 4
+
+    def host_time(call):
+        """Median host time of call(), the device idle before each (the issue, not the work)."""
+        ts = []
+        for _ in range(repeats + 3):
+            ti.sync()
+            t0 = time.perf_counter()
+            call()
+            ts.append(time.perf_counter() - t0)
+        ti.sync()
+        return statistics.median(ts[3:]) * 1e6
+
+    f3, f4 = ti.types.ndarray(dtype=ti.f32, ndim=3), ti.types.ndarray(dtype=ti.f32, ndim=4)
+    i1 = ti.types.ndarray(dtype=ti.i32, ndim=1)
+
+    @ti.kernel
+    def one_task(q: f3, k_cur: f3, v_cur: f3, out: f3, flags: i1, stamp: ti.i32, position: ti.i32, scale: ti.f32,
+                 k_nope: packed_plane, v_nope: packed_plane, part_nope: f4, layers_nope: i1, slots_nope: i1,
+                 window_nope: ti.i32, cap_nope: ti.i32, ol_nope: ti.i32, op_nope: ti.i32, row_nope: ti.i32,
+                 nwg_nope: ti.i32, nsg_nope: ti.i32,
+                 k_swa: packed_plane, v_swa: packed_plane, part_swa: f4, layers_swa: i1, slots_swa: i1,
+                 window_swa: ti.i32, cap_swa: ti.i32, ol_swa: ti.i32, op_swa: ti.i32, row_swa: ti.i32,
+                 nwg_swa: ti.i32, nsg_swa: ti.i32):
+        for _ in range(1):
+            flags[0] += stamp - stamp
+
+    @ti.kernel
+    def five_tasks(q: f3, k_cur: f3, v_cur: f3, out: f3, flags: i1, stamp: ti.i32, position: ti.i32, scale: ti.f32,
+                   k_nope: packed_plane, v_nope: packed_plane, part_nope: f4, layers_nope: i1, slots_nope: i1,
+                   window_nope: ti.i32, cap_nope: ti.i32, ol_nope: ti.i32, op_nope: ti.i32, row_nope: ti.i32,
+                   nwg_nope: ti.i32, nsg_nope: ti.i32,
+                   k_swa: packed_plane, v_swa: packed_plane, part_swa: f4, layers_swa: i1, slots_swa: i1,
+                   window_swa: ti.i32, cap_swa: ti.i32, ol_swa: ti.i32, op_swa: ti.i32, row_swa: ti.i32,
+                   nwg_swa: ti.i32, nsg_swa: ti.i32):
+        for _ in range(1):
+            flags[0] += stamp - stamp
+        for _ in range(1):
+            flags[0] += stamp - stamp
+        for _ in range(nwg_nope - nwg_nope + 1):  # a runtime bound, as the producers' task has
+            flags[0] += stamp - stamp
+        for _ in range(1):
+            flags[0] += stamp - stamp
+
+    names = list(values)
+    symbols = [mt.Engine._graph_arg(n, values[n]) for n in names]
+    row = {"what": "step host parts", "arch": eng.arch, "depth": args.depth, "arguments": len(names),
+           "arrays": sum(isinstance(values[n], ti.Ndarray) for n in names)}
+    row["step_graph_run_us"] = host_time(lambda: graph.run(values))
+    for label, kernel in (("one_task", one_task), ("five_tasks", five_tasks)):
+        builder = ti.graph.GraphBuilder()
+        builder.dispatch(kernel, *symbols)
+        g = builder.compile()
+        g.run(values)
+        row[f"{label}_graph_run_us"] = host_time(lambda: g.run(values))
+    flat = {n: (a.arr if isinstance(a, ti.Ndarray) else a) for n, a in values.items()}
+    config = impl.get_runtime().prog.config()
+    row["step_jit_run_us"] = host_time(lambda: graph._compiled_graph.jit_run(config, flat))
+    row["config_copy_us"] = host_time(lambda: impl.get_runtime().prog.config())
+    emit(row, rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("tiles", "step", "trace", "launch", "paths"))
+    ap.add_argument("mode", choices=("tiles", "step", "trace", "launch", "paths", "stephost"))
     ap.add_argument("--arch", default="cuda")
     ap.add_argument("--config", default="glimmer.yaml")
     ap.add_argument("--depths", default="2048,131072", help="tiles, trace, paths: comma-separated key counts")
@@ -376,7 +466,8 @@ def main(argv=None) -> int:
     args.depths = [int(x) for x in args.depths.split(",") if x]
     args.variants = args.variants.split(";")
     rows: list = []
-    {"tiles": tiles, "step": step, "trace": trace, "launch": launch, "paths": paths}[args.mode](args, rows)
+    {"tiles": tiles, "step": step, "trace": trace, "launch": launch, "paths": paths,
+     "stephost": stephost}[args.mode](args, rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=1))
