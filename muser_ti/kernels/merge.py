@@ -11,10 +11,11 @@ import taichi as ti
 
 from .common import MAX_WORKGROUPS, cached, f32_4d, i32_1d
 
-GPU_PARTIALS_IN_FLIGHT = 8  # U: partials a GPU reducer thread loads before it uses them.  A layer's reducer is
-#                             H x D threads (4,096 for Glimmer: one warp per SM), so nothing but a thread's own
-#                             loads can hide their latency; one partial per loop trip took 18.6 us for one
-#                             layer at 132 workgroups and 11.4 us at 64, ~12 % of the layer (H200, run 13)
+GPU_PARTIALS_IN_FLIGHT = 16  # U: partials a GPU reducer thread loads before it uses them.  A layer's reducer is
+#                              H x D threads (4,096 for Glimmer: one warp per SM), so nothing but a thread's own
+#                              loads can hide their latency.  One NoPE layer's reducer on the H200 (CUPTI, run
+#                              13) at 132 / 64 workgroups: 18.5 / 11.4 us one partial per loop trip (~12 % of
+#                              the layer at 131,072 keys), 11.5 / 7.9 us at U = 8, 11.0 / 7.7 us at U = 16
 
 
 def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype):
