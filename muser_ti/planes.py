@@ -7,6 +7,9 @@ Two plane shapes, one addressing rule:
 * NoPE layers keep a **head-major growing plane**: one row per (KV head, token), row stride head_dim.
   Storage ``[layer, kv_head, row, d]``.  It grows on demand (doubling, never past its cap) and never wraps.
 
+On the device both are packed two halves to a u32 word (kernels/halves.py): the same bytes, a last
+dimension of head_dim / 2 words; every host view (Engine.plane_halves) is float16 of the shapes above.
+
 Every plane carries ``len, capacity, origin_logical, origin_physical`` and a logical token maps to
 ``physical = (origin_physical + logical - origin_logical) % capacity``.  ``origin_logical`` is always
 the oldest token the plane still holds.  All layers of one class append on every token and rewind

@@ -99,4 +99,4 @@ def test_decode_explain_prints_the_table():
     # the GPU producer's tile per backend, from the same arithmetic tests/test_gpu_plan.py pins
     assert "cuda: 128 threads, at most 255 registers per thread; 128-row tiles" in out.stdout
     assert "metal: 128 threads; 128-row tiles" in out.stdout and "27.7 of 32 KiB shared" in out.stdout
-    assert "chunks pipelined (f16 in flight)" in out.stdout
+    assert "chunks pipelined (packed halves in flight)" in out.stdout

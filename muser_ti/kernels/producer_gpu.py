@@ -17,11 +17,15 @@ stay high and the global loads' latency is hidden behind FMAs:
 * K is staged in chunks of DC dimensions ([R][DC+1] f32, padded so the rows a warp reads sit in
   different banks) and V in chunks of VR rows ([VR][D+1]), both through one buffer: 28.3 KiB of
   shared memory for Glimmer, inside Metal's 32 KiB, so every backend runs the same tile;
-* the chunks are software-pipelined (PF): a thread's share of chunk c+1 is loaded, kept f16, while
-  chunk c's FMAs run, and converted to f32 only when it is stored.  ncu showed why (run 8): without
-  it, a quarter of all stall samples sat on the f16 -> f32 conversion right after each chunk's loads,
-  waiting for global memory with nothing else to do before the barrier.  Converting at load time
-  (the first pipelined kernel) put that wait back and gained nothing.
+* the chunks are software-pipelined (PF): a thread's share of chunk c+1 is loaded, kept packed (u32
+  words of two halves, halves.py), while chunk c's FMAs run, and unpacked to f32 only when it is
+  stored.  ncu showed why (run 8): without it, a quarter of all stall samples sat on the f16 -> f32
+  conversion right after each chunk's loads, waiting for global memory with nothing else to do before
+  the barrier.  Converting at load time (the first pipelined kernel) put that wait back and gained
+  nothing;
+* the planes are loaded a word (two halves) per lane: Taichi loads an f16 ndarray 2 bytes at a time
+  (``ld.b16``), so the planes are stored as u32 words.  One NoPE layer's producer at 131,072 keys went
+  from 145.7 to 138.2 us and 223 to 207 registers (H200, docs/PERF.md run 13).
 
 Registers decide occupancy, and Taichi decides the register cap: it marks every CUDA kernel
 ``.maxntid T`` and ``.minnctapersm 2``, so ptxas may use 65,536 / (2 T) registers per thread (seen
@@ -37,17 +41,15 @@ index ranges from LLVM.  With Taichi's ops each staged K value cost ``add.s32; m
 add.s64`` before its shared load (a third of all instructions, run 8); with udiv/umod the offsets
 fold into the loads and the score loop is 256 FFMA + 80 shared loads per chunk (SASS, run 9).
 
-Known deficit (H200, docs/PERF.md runs 9 and 12): one NoPE layer at 131,072 keys takes ~146 us of
-producer time (~166 us with the reducer) against torch SDPA's 66-107 us in the same processes.  The
-plane loads are generic ``ld.b16`` (Taichi loads an ndarray's pointer from the argument buffer, so LLVM
-cannot prove it global), two bytes per lane: Taichi has no wider load of an f16 ndarray.  ncu (run 12,
-this kernel): 74 M warp instructions (2.2 per FMA), 49 % of issue slots busy, 8 warps per SM (223
+Known deficit (H200, docs/PERF.md runs 9, 12 and 13): one NoPE layer at 131,072 keys takes ~138 us of
+producer time (~151 us with the reducer) against torch SDPA's 65-66 us in the same processes.  ncu (run
+13, this kernel): 70 M warp instructions (2.1 per FMA), 49 % of issue slots busy, 8 warps per SM (207
 registers, 2 workgroups).  Fewer instructions have not bought time twice now: run 9 cut 100 -> 76 M
 and gained 13 %; run 12's 128-bit shared layouts (K_CHUNK_DIMS, MAX_VALUE_DIMS) cut them to 61 M and
 190 registers and gained nothing, because the issue rate fell to 40 %.  With 2 warps per scheduler the
 kernel waits on latency: shared-memory results (26 % of stall samples), the plane loads (18 %),
-fixed-latency dependencies (15 %).  More warps cost more than they hide (GPU_PRODUCER_THREADS).  torch
-uses tensor cores, which Taichi cannot.
+fixed-latency dependencies (15 %; run 12, f16 loads).  More warps cost more than they hide
+(GPU_PRODUCER_THREADS).  torch uses tensor cores, which Taichi cannot.
 
 Block ownership is the chapter's (block b belongs to workgroup (b // nsg) % nwg): a workgroup walks
 its owned rows in increasing order, R at a time, with one online-softmax update per tile.
@@ -78,11 +80,11 @@ MAX_VALUE_DIMS = 8  # VD: value dims per thread, dims dg + DG*j.  Adjacent dims 
 #                     keys (run 12, in one process; either layout alone 182 us); not kept
 MAX_VALUE_HEADS = 4  # VH: 4 x 8 = 32 accumulators.  2 x 8 ran 307 us against 257 at T = 256 (run 7); 8 x 8
 #                      with a prefetched chunk spilled twice as much at T = 128 (ncu, run 5)
-LOAD_GROUP = 16  # LG cap, unpipelined chunks only: loads in flight per thread before their stores; 8 and 4
-#                  ran 10 % and 23 % slower than 16 with 256-row tiles (run 7)
-PREFETCH = 1  # PF: chunk c+1 loads (kept f16) while chunk c's FMAs run; see above.  K chunks of 8 / 32 dims
+LOAD_GROUP = 16  # LG cap, unpipelined chunks only: words in flight per thread before their stores (halves
+#                  before run 13: 8 and 4 ran 10 % and 23 % slower than 16 with 256-row tiles, run 7)
+PREFETCH = 1  # PF: chunk c+1 loads (kept packed) while chunk c's FMAs run; see above.  K chunks of 8 / 32 dims
 #               with it ran 223 / 204 us at 131,072 keys against 196 for 16 (run 8).  Two chunks in flight
-#               (a second f16 stage; V's first chunks loaded under K's last) ran 187 vs 173 us (run 9)
+#               (a second stage; V's first chunks loaded under K's last) ran 187 vs 173 us (run 9)
 MAX_TILE_ROWS = 128  # R: 256-row tiles ran 202 us at 131,072 keys against 196 (run 8, T = 128), and 64-row
 #                      tiles 254 against 220 (T = 256); short windows leave long tiles mostly empty (run 7)
 
@@ -202,7 +204,7 @@ def describe_plans(G: int, D: int) -> list[str]:
         lines.append(f"  {arch}: {p.T} threads{cap}; {p.R}-row tiles; scores {p.HB} heads x {p.RB} rows and values "
                      f"{p.VH} heads x {p.VD} dims per thread; "
                      f"{p.shared_bytes / 1024:.1f} of {budget // 1024} KiB shared; "
-                     f"{'chunks pipelined (f16 in flight)' if p.PF else 'chunks not pipelined'}")
+                     f"{'chunks pipelined (packed halves in flight)' if p.PF else 'chunks not pipelined'}")
     return lines
 
 
