@@ -153,9 +153,14 @@ class Engine:
         self._groups: dict[tuple[int, ...], _Group] = {}
         self._graphs: dict[tuple, object] = {}  # GPU: compiled step graphs by dispatch structure
         # CUDA, Vulkan: a step on the default routes is one dispatch (kernels/step_gpu.py)
-        self._step_kernel = (build_step_kernel(D, G, KV, H, len(self.cfg.nope_layers), len(self.cfg.swa_layers))
-                             if gpu and backend.active() in ONE_DISPATCH_ARCHS and SWA in self.planes
-                             and NOPE in self.planes else None)
+        self._step_kernel = self._step_layers = None
+        if gpu and backend.active() in ONE_DISPATCH_ARCHS and SWA in self.planes and NOPE in self.planes:
+            c = self.cfg
+            self._step_kernel = build_step_kernel(D, G, KV, H, len(c.nope_layers), len(c.swa_layers), c.attention_scale,
+                                                  window_of(c, NOPE), window_of(c, SWA))
+            # the one dispatch's layer table: NoPE layers, then SWA layers (a class's slots are its order)
+            self._step_layers = ti.ndarray(ti.i32, (c.n_layers,))
+            self._step_layers.from_numpy(np.asarray(self.planes[NOPE].layers + self.planes[SWA].layers, np.int32))
         self._recorded = None
         self._llama_runners: dict[int, object] = {}  # group size -> ggml graph runner (pinned rung, CPU)
         self._serving = None
@@ -468,12 +473,13 @@ class Engine:
         if gated:
             self._scans += 1
         stamp = self._scans if gated else NEVER_STAMPED
-        args = [self._q_dev, k_dev, v_dev, out_dev, self._token_flags, stamp, p, self.cfg.attention_scale]
+        args = [self._q_dev, k_dev, v_dev, out_dev, self._token_flags, stamp, p, self._step_layers]
         for kind in (NOPE, SWA):
             st = new_states[kind]
-            grp, partials, nwg, nsg = self._producer_launch(kind, self.planes[kind].layers, p)
-            args += [self._k[kind], self._v[kind], partials, grp.layers_dev, grp.slots_dev, window_of(self.cfg, kind),
-                     st.capacity, st.origin_logical, st.origin_physical, st.physical(p), nwg, nsg]
+            _, visible = visible_span(self.cfg, kind, p)
+            nwg, nsg = self.split_geometry(visible, len(self.planes[kind].layers))
+            partials = self._partials_for(kind, len(self.planes[kind].layers), nwg)
+            args += [self._k[kind], self._v[kind], partials, st.capacity, st.origin_logical, st.origin_physical, nwg, nsg]
         self._launch(self._step_kernel, *args)
 
     def _launch_routes(self, p, new_states, routes, q, k_dev, v_dev, out, out_dev):

@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.explain:  # pure arithmetic on the geometry: no engine, no backend
         from muser_ti.bandwidth import explain
-        from muser_ti.kernels.producer_gpu import describe_plans
+        from muser_ti.kernels.producer import describe_plans
 
         try:
             cfg = mt.load_config(args.config)

@@ -43,6 +43,7 @@ Every figure is a median; rows are printed as JSON lines and written to --json.
 
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -60,8 +61,8 @@ from bench import (cupti_layer_row, device_token, layer_geometry, median_time as
                    random_token, rewound_median)
 from cupti import profile_calls, summarize_trace  # noqa: E402
 from muser_ti.kernels.common import HEAD_MAJOR  # noqa: E402
-from muser_ti.kernels.producer import addressing, build_gpu_producer  # noqa: E402
-from muser_ti.kernels.producer_gpu import SHARED_BUDGET_BYTES, gpu_tile_plan, tile_overrides  # noqa: E402
+from muser_ti.kernels.producer import addressing, build_gpu_producer, tile_plan  # noqa: E402
+from muser_ti.kernels.producer_gpu import SHARED_BUDGET_BYTES, tile_overrides  # noqa: E402
 from muser_ti.reference import relative_error  # noqa: E402
 from muser_ti.tolerances import F32_ROUTE_RTOL  # noqa: E402
 
@@ -99,11 +100,11 @@ def tiles(args, rows) -> None:
             else:
                 os.environ.pop("MUSER_GPU_TARGET_WORKGROUPS", None)
             try:
-                plan = gpu_tile_plan(cfg.heads_per_kv, cfg.head_dim, budget, **tile_overrides(tile))
+                plan = tile_plan(cfg.heads_per_kv, cfg.head_dim, budget, **tile_overrides(tile))
             except ValueError as exc:
                 emit({**row, "error": str(exc)}, rows)
                 continue
-            row["plan"] = {k: getattr(plan, k) for k in ("T", "HB", "RB", "R", "VH", "VD", "RS", "LG", "shared_bytes")}
+            row["plan"] = {"kind": type(plan).__name__, **dataclasses.asdict(plan)}
             if plan not in producers:
                 producers[plan] = build_gpu_producer(plan, cfg.n_kv_heads, bypass=True, record=False,
                                                      at=addressing(HEAD_MAJOR, cfg.n_kv_heads))

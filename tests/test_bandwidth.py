@@ -97,6 +97,7 @@ def test_decode_explain_prints_the_table():
     assert out.returncode == 0, out.stderr
     assert "1,024 B" in out.stdout and "10.90 %" in out.stdout and "none within max_context" in out.stdout
     # the GPU producer's tile per backend, from the same arithmetic tests/test_gpu_plan.py pins
-    assert "cuda: 128 threads, at most 255 registers per thread; 128-row tiles" in out.stdout
+    assert "cuda: warp tiles, 128 threads, each warp its own 32 rows of a 128-row tile" in out.stdout
+    assert "loops unrolled x8; 37.2 of 48 KiB shared" in out.stdout and "loops unrolled x1" in out.stdout  # vulkan
     assert "metal: 128 threads; 128-row tiles" in out.stdout and "27.7 of 32 KiB shared" in out.stdout
     assert "chunks pipelined (packed halves in flight)" in out.stdout

@@ -5,6 +5,8 @@ import pytest
 
 from muser_ti.kernels.producer_gpu import (GPU_PRODUCER_THREADS, SHARED_BUDGET_BYTES, gpu_tile_plan, tile_overrides,
                                            udiv, umod)
+from muser_ti.kernels.producer import tile_plan
+from muser_ti.kernels.producer_warp import CHUNK_HALVES, WARPS, warp_tile_plan
 from muser_ti.kernels.splitk import GPU_MAX_WORKGROUPS, GPU_TARGET_WORKGROUPS, gpu_split_geometry, splitk_geometry
 
 GROUPS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64, 128]
@@ -111,3 +113,44 @@ def test_gpu_split_target_override(monkeypatch):
     monkeypatch.setenv("MUSER_GPU_TARGET_WORKGROUPS", "1")
     assert gpu_split_geometry(131072, 2) == (1, 4)
     assert gpu_split_geometry(131072, 2, target=528) == (264, 4)
+
+
+def warp_plans():
+    for arch, budget in SHARED_BUDGET_BYTES.items():
+        for G in GROUPS:
+            for D in HEAD_DIMS:
+                p = warp_tile_plan(G, D, budget, arch=arch)
+                if p is not None:
+                    yield arch, budget, p
+
+
+@pytest.mark.parametrize("backend_name, budget, p", list(warp_plans()), ids=str)
+def test_warp_plan_covers_every_score_and_output_once_within_budget(backend_name, budget, p):
+    assert p.T == WARPS * 32 and p.HGL * p.RGL == 32 and p.HGL * 4 == p.G and p.RW == 4 * p.RGL
+    # a lane (hg, rg) scores heads hg + HGL*i and rows rg + RGL*j; it accumulates the same heads, dims
+    # 4*rg + 4*RGL*jj + e: together the lanes cover G x RW scores and G x D outputs exactly once
+    scores = sorted((hg + p.HGL * i, rg + p.RGL * j) for hg in range(p.HGL) for rg in range(p.RGL)
+                    for i in range(4) for j in range(4))
+    assert scores == sorted((h, r) for h in range(p.G) for r in range(p.RW))
+    dims = sorted(4 * rg + 4 * p.RGL * jj + e for rg in range(p.RGL) for jj in range(p.VD // 4) for e in range(4))
+    assert dims == list(range(p.D)) and 4 * p.VD <= 64
+    # a chunk is CHUNK_HALVES halves, K (RW rows x DC dims) or V (VR rows x D), whole words per lane
+    assert p.RW * p.DC == p.VR * p.D == CHUNK_HALVES and CHUNK_HALVES % (2 * 32) == 0
+    assert p.D % p.DC == 0 and p.DC % 4 == 0 and p.RW % p.VR == 0
+    assert p.BUF >= max(p.RW * (p.DC + 4), p.VR * p.D) and p.BUF % 4 == 0  # 128-bit aligned per warp
+    assert p.shared_bytes <= budget
+
+
+def test_glimmer_takes_warp_tiles_on_cuda_and_vulkan_and_the_block_tile_on_metal():
+    for arch in ("cuda", "vulkan"):
+        p = tile_plan(16, 128, SHARED_BUDGET_BYTES[arch], arch)
+        assert (p.HGL, p.RGL, p.RW, p.DC, p.VR, p.VD, p.shared_bytes) == (4, 8, 32, 32, 8, 16, 38144)
+        assert p.WU == (8 if arch == "cuda" else 1)  # UNROLL: measured on CUDA only
+    assert tile_plan(16, 128, SHARED_BUDGET_BYTES["metal"], "metal") == gpu_tile_plan(16, 128, 32 * 1024)
+    # WT=0 asks for the block tile where warp tiles apply; WU sets the unroll
+    assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WT=0")) == \
+        gpu_tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"])
+    assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WU=2")).WU == 2
+    # Qwen2.5-7B's 7 heads per KV head and multi-head attention keep the block tile
+    assert warp_tile_plan(7, 128, SHARED_BUDGET_BYTES["cuda"]) is None
+    assert warp_tile_plan(1, 256, SHARED_BUDGET_BYTES["cuda"]) is None

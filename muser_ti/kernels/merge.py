@@ -47,8 +47,10 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype):
             return gmax
 
         @ti.func
-        def gpu_work(t, partials: ti.template(), out: ti.template(), layers: ti.template(), nwg, write):
-            """Thread t of the GPU launch: out[layers[g], h, d] for (g, h) = divmod(t // D, H), d = t % D.
+        def gpu_work(t, partials: ti.template(), out: ti.template(), layers: ti.template(), nwg, write,
+                     layer_base: ti.template()):
+            """Thread t of the GPU launch: out[layers[layer_base + g], h, d] for (g, h) = divmod(t // D, H),
+            d = t % D.
             Each thread takes the max and the factors exp(M_i - gmax) of its head itself (nwg loads of M, S
             and O[d] each, the first two broadcast across the warp), U partials loaded ahead of their sums,
             which run in the CPU reducer's order; no shared memory, so the one-dispatch step can run it
@@ -74,7 +76,7 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype):
                 acc += partials[g, h, i, 2 + d] * f
             inv = 1.0 / total if total > 0.0 else 0.0
             if write:
-                out[layers[g], h, d] = ti.cast(acc * inv, out_dtype)
+                out[layers[layer_base + g], h, d] = ti.cast(acc * inv, out_dtype)
 
         @ti.kernel
         def reduce(partials: f32_4d, out: out_t, layers: i32_1d, n_group: ti.i32, nwg: ti.i32):
@@ -96,7 +98,7 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype):
                         out[layers[g], h, d] = ti.cast(acc * inv, out_dtype)
             else:
                 for t in range(n_group * H * D):
-                    gpu_work(t, partials, out, layers, nwg, 1)
+                    gpu_work(t, partials, out, layers, nwg, 1, 0)
 
         reduce.gpu_work = gpu_work
         return reduce

@@ -34,7 +34,9 @@ import taichi as ti
 from .. import backend
 from .common import BLOCK_ROWS, HEAD_MAJOR, RUNNING_MAX_INIT, TOKEN_MAJOR, VISIT_OWNER, f32_3d, f32_4d, i32_1d, i32_2d
 from .halves import HALVES_PER_WORD, high, low, pack, packed_plane
-from .producer_gpu import SHARED_BUDGET_BYTES, gpu_producer_work, gpu_tile_plan, shared_arrays, tile_overrides, udiv, umod
+from .producer_gpu import (SHARED_BUDGET_BYTES, describe_block_tile, gpu_producer_work, gpu_tile_plan, shared_arrays,
+                           tile_overrides, udiv, umod)
+from .producer_warp import WarpTilePlan, describe_warp_tile, warp_producer_work, warp_shared_arrays, warp_tile_plan
 
 
 
@@ -113,7 +115,42 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
 
 def build_gpu_producer(plan, n_kv: int, bypass: bool, record: bool, at):
     """The GPU producer for a tile plan (scripts/tune_gpu.py builds variants with plans of its own)."""
-    return producer_kernel(n_kv, gpu=(plan, gpu_producer_work(plan, bypass, record, at, fused_store=bypass)))
+    return producer_kernel(n_kv, gpu=(plan, plan_work(plan, bypass, record, at, fused_store=bypass)))
+
+
+def tile_plan(heads_per_kv: int, head_dim: int, budget: int, arch: str | None = None, **overrides):
+    """The GPU producer's plan: warp tiles (producer_warp.py) where they apply and WT is not 0, else the
+    block tile with the other overrides' caps (producer_gpu.gpu_tile_plan)."""
+    warp_tiles = overrides.pop("WT", 1)
+    unroll = overrides.pop("WU", None)
+    plan = warp_tile_plan(heads_per_kv, head_dim, budget, unroll, arch) if warp_tiles else None
+    return plan or gpu_tile_plan(heads_per_kv, head_dim, budget, **overrides)
+
+
+def describe_plans(G: int, D: int) -> list[str]:
+    """The GPU producer's tile on each backend, in words (scripts/decode.py --explain prints it)."""
+    lines = [f"GPU producer tile for {G} heads per KV head at head_dim {D} (kernels/producer_warp.py, producer_gpu.py):"]
+    for arch, budget in SHARED_BUDGET_BYTES.items():
+        try:
+            p = tile_plan(G, D, budget, arch, **tile_overrides())
+        except ValueError as exc:
+            lines.append(f"  {arch}: {exc}")
+            continue
+        text = describe_warp_tile(p, budget) if isinstance(p, WarpTilePlan) else describe_block_tile(p, arch, budget)
+        lines.append(f"  {arch}: {text}")
+    return lines
+
+
+def plan_work(plan, bypass: bool, record: bool, at, fused_store: bool, layer_base: int = 0,
+              slot_is_group: bool = False):
+    """The per-thread work of either tile (one signature, producer_gpu.gpu_producer_work's)."""
+    build = warp_producer_work if isinstance(plan, WarpTilePlan) else gpu_producer_work
+    return build(plan, bypass, record, at, fused_store, layer_base, slot_is_group)
+
+
+def plan_shared(plan) -> tuple:
+    """The shared arrays of either tile, declared where called (producer_gpu.shared_arrays says why)."""
+    return warp_shared_arrays(plan) if isinstance(plan, WarpTilePlan) else shared_arrays(plan)
 
 
 def producer_kernel(n_kv: int, cpu_item=None, gpu=None):
@@ -135,7 +172,7 @@ def producer_kernel(n_kv: int, cpu_item=None, gpu=None):
         if ti.static(gpu_path):
             ti.loop_config(block_dim=T)
             for t in range(n_group * n_kv * nwg * T):
-                work(umod(t, T), udiv(t, T), ti.static(shared_arrays(plan)), q, k_cur, v_cur, k_plane, v_plane,
+                work(umod(t, T), udiv(t, T), ti.static(plan_shared(plan)), q, k_cur, v_cur, k_plane, v_plane,
                      partials, visits, layers, slots, position, window, capacity, origin_logical, origin_physical,
                      nwg, nsg, scale)
         else:
@@ -148,14 +185,18 @@ def producer_kernel(n_kv: int, cpu_item=None, gpu=None):
 
 def active_tile_plan(head_dim: int, heads_per_kv: int):
     """The GPU producer's tile on the active backend (its shared-memory budget, MUSER_GPU_TILE's caps)."""
-    return gpu_tile_plan(heads_per_kv, head_dim, SHARED_BUDGET_BYTES[backend.active()], **tile_overrides())
+    arch = backend.active()
+    return tile_plan(heads_per_kv, head_dim, SHARED_BUDGET_BYTES[arch], arch, **tile_overrides())
 
 
-def gpu_work(head_dim: int, heads_per_kv: int, n_kv: int, layout: str, bypass: bool):
+def gpu_work(head_dim: int, heads_per_kv: int, n_kv: int, layout: str, bypass: bool, layer_base: int):
     """(per-thread work, tile plan) of the GPU producer for the one-dispatch step (step_gpu.py): the
-    producer's ti.func without its fused store, which that step makes a task of its own."""
+    producer's ti.func without its fused store, which that step makes a task of its own, over every layer
+    of a class: group layer g is ``layers[layer_base + g]`` in the step's one layer table, plane slot g."""
     plan = active_tile_plan(head_dim, heads_per_kv)
-    return gpu_producer_work(plan, bypass, False, addressing(layout, n_kv), fused_store=False), plan
+    work = plan_work(plan, bypass, False, addressing(layout, n_kv), fused_store=False, layer_base=layer_base,
+                     slot_is_group=True)
+    return work, plan
 
 
 def _cpu_item_work(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, record: bool, at):
@@ -308,5 +349,7 @@ def _cpu_item_work(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, re
     return item_work
 
 
-__all__ = ["build_producer", "build_gpu_producer", "addressing", "active_tile_plan", "gpu_work", "producer_kernel",
+__all__ = ["build_producer", "build_gpu_producer", "addressing", "active_tile_plan", "describe_plans", "gpu_work",
+           "plan_shared",
+           "plan_work", "producer_kernel", "tile_plan",
            "TOKEN_MAJOR", "HEAD_MAJOR"]

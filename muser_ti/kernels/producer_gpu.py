@@ -1,5 +1,10 @@
 """The split-K producer's GPU path: register-blocked tiles staged through shared memory in chunks.
 
+This is the block tile: the whole workgroup shares each tile and its barriers.  Where the geometry
+allows (16 heads per KV head among others) CUDA and Vulkan run the warp tile instead
+(producer_warp.py, docs/PERF.md run 14); Metal, Qwen2.5-7B's 7 heads per KV head, multi-head
+attention and head_dim 256 at 16 heads keep this one.
+
 What bounds decode attention on a GPU without tensor cores (Taichi has none) is not DRAM but the
 instruction issue around the FMAs, and the latency that issue cannot hide: every FMA needs its two
 operands in registers, and the only way to share a K/V element among the G sibling query heads is
@@ -111,6 +116,26 @@ def umod(x, n: ti.template()):
         return ti.raw_mod(x, n)
 
 
+@ti.func
+def owned_rows(visible, wg, nwg, nsg):
+    """(run, n_own, o_cur) of workgroup wg: it owns runs wg, wg + nwg, ... of ``run = nsg`` blocks of the
+    visible rows, n_own rows in all, walked in increasing order; o_cur is the current token's index in
+    that order (the window's last row), or -1 where another workgroup owns it."""
+    run = nsg * BLOCK_ROWS
+    n_runs = (visible + run - 1) // run
+    my_runs = 0
+    if wg < n_runs:
+        my_runs = (n_runs - 1 - wg) // nwg + 1
+    n_own = my_runs * run
+    if my_runs > 0 and (n_runs - 1) % nwg == wg:
+        n_own -= n_runs * run - visible  # the last run is partial
+    last_run = (visible - 1) // run
+    o_cur = -1
+    if last_run % nwg == wg:
+        o_cur = (last_run // nwg) * run + (visible - 1) % run
+    return run, n_own, o_cur
+
+
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
 
@@ -191,25 +216,16 @@ def gpu_tile_plan(G: int, D: int, budget: int, T: int = GPU_PRODUCER_THREADS, HB
                      f"(the queries alone take {4 * G * D})")
 
 
-def describe_plans(G: int, D: int) -> list[str]:
-    """The GPU producer's tile on each backend, in words (scripts/decode.py --explain prints it)."""
-    lines = [f"GPU producer tile for {G} heads per KV head at head_dim {D} (kernels/producer_gpu.py):"]
-    for arch, budget in SHARED_BUDGET_BYTES.items():
-        try:
-            p = gpu_tile_plan(G, D, budget, **tile_overrides())
-        except ValueError as exc:
-            lines.append(f"  {arch}: {exc}")
-            continue
-        cap = f", at most {min(255, 65536 // (2 * p.T))} registers per thread" if arch == "cuda" else ""
-        lines.append(f"  {arch}: {p.T} threads{cap}; {p.R}-row tiles; scores {p.HB} heads x {p.RB} rows and values "
-                     f"{p.VH} heads x {p.VD} dims per thread; "
-                     f"{p.shared_bytes / 1024:.1f} of {budget // 1024} KiB shared; "
-                     f"{'chunks pipelined (packed halves in flight)' if p.PF else 'chunks not pipelined'}")
-    return lines
+def describe_block_tile(p: TilePlan, arch: str, budget: int) -> str:
+    """A block tile in words (producer.describe_plans prints one per backend)."""
+    cap = f", at most {min(255, 65536 // (2 * p.T))} registers per thread" if arch == "cuda" else ""
+    return (f"{p.T} threads{cap}; {p.R}-row tiles; scores {p.HB} heads x {p.RB} rows and values "
+            f"{p.VH} heads x {p.VD} dims per thread; {p.shared_bytes / 1024:.1f} of {budget // 1024} KiB shared; "
+            f"{'chunks pipelined (packed halves in flight)' if p.PF else 'chunks not pipelined'}")
 
 
-TILE_KNOBS = ("T", "HB", "VH", "R", "LG", "DC", "PF")
-SWITCH_KNOBS = ("PF",)  # 0 or 1
+TILE_KNOBS = ("T", "HB", "VH", "R", "LG", "DC", "PF", "WT", "WU")  # WT, WU: warp tiles (producer_warp.py)
+SWITCH_KNOBS = ("PF", "WT")  # 0 or 1
 
 
 def tile_overrides(text: str | None = None) -> dict[str, int]:
@@ -225,11 +241,14 @@ def tile_overrides(text: str | None = None) -> dict[str, int]:
     return out
 
 
-def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_store: bool):
+def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_store: bool, layer_base: int = 0,
+                      slot_is_group: bool = False):
     """The GPU producer's per-thread work, a ti.func of a thread and its work item; ``at`` is the
     layout's addressing (producer.addressing).  fused_store: workgroup 0 of each work item writes the
     current token's row into the plane (the interleaved route); the one-dispatch step (step_gpu.py)
-    stores in a task of its own instead, behind the token scan's flags."""
+    stores in a task of its own instead, behind the token scan's flags.  Group layer g is model layer
+    ``layers[layer_base + g]`` and plane slot ``slots[g]``, or g itself where ``slot_is_group`` (a
+    group of every layer of the class, in order: the one-dispatch step, which binds no slot table)."""
     p = plan
     G, D, T, C = p.G, p.D, p.T, BLOCK_ROWS
     HB, RG, RB, R, DC, VR = p.HB, p.RG, p.RB, p.R, p.DC, p.VR
@@ -354,7 +373,9 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
         """Thread tid of work item ``item`` (a layer, KV head and workgroup), in the workgroup's ``shared``
         arrays (shared_arrays(plan), declared by the caller's loop)."""
         g, kvh, wg, logical_start, visible = at.work_item(item, nwg, position, window)
-        layer, slot = layers[g], slots[g]
+        layer, slot = layers[layer_base + g], g
+        if ti.static(not slot_is_group):
+            slot = slots[g]
         q_sh, buf, w_sh, part, part2, state, rows_sh = shared
 
         if ti.static(fused_store):
@@ -380,19 +401,7 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
         acc = ti.Matrix.zero(ti.f32, VH, VD)
         lsum = ti.Vector([0.0] * HB)
 
-        # the rows this workgroup owns, in increasing order: runs wg, wg + nwg, ... of nsg blocks
-        run = nsg * C
-        n_runs = (visible + run - 1) // run
-        my_runs = 0
-        if wg < n_runs:
-            my_runs = (n_runs - 1 - wg) // nwg + 1
-        n_own = my_runs * run
-        if my_runs > 0 and (n_runs - 1) % nwg == wg:
-            n_own -= n_runs * run - visible  # the last run is partial
-        last_run = (visible - 1) // run  # the current token is the window's last row
-        o_cur = -1
-        if last_run % nwg == wg:
-            o_cur = (last_run // nwg) * run + (visible - 1) % run
+        run, n_own, o_cur = owned_rows(visible, wg, nwg, nsg)
         ti.simt.block.sync()
 
         o_first = 0
@@ -540,5 +549,5 @@ def shared_arrays(plan: TilePlan) -> tuple:
             ti.simt.block.SharedArray((R,), ti.i32))  # rows_sh: the tile rows' flat plane indices
 
 
-__all__ = ["GPU_PRODUCER_THREADS", "SHARED_BUDGET_BYTES", "TilePlan", "describe_plans",
-           "gpu_producer_work", "gpu_tile_plan", "shared_arrays", "tile_overrides"]
+__all__ = ["GPU_PRODUCER_THREADS", "SHARED_BUDGET_BYTES", "TilePlan", "describe_block_tile",
+           "gpu_producer_work", "gpu_tile_plan", "owned_rows", "shared_arrays", "tile_overrides"]
