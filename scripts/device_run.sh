@@ -19,12 +19,18 @@
 #   paths  the one-dispatch step against the graph route, one process per backend (tune_gpu.py paths)
 #   hostab steps and one deep layer on this tree and on the tree in $AB_OLD (an older commit), the
 #          trace on this one, then Vulkan steps on both
+#   warpab the warp-tiled producer (default) against the block tile (MUSER_GPU_TILE=WT=0): accuracy and
+#          registers (tune), CUDA layers (CUPTI) in alternation, ncu on one deep layer of each
+#   check  the suite on CUDA, stopping at the first failure (CHECK_TESTS, CHECK_TIMEOUT; MUSER_GPU_TILE=WU=1
+#          there unless CHECK_TILE says otherwise: the warp tile's unrolled CUDA build compiles ~50 s a producer)
+#   deep   CUDA layers (CUPTI) and CUDA steps at the issue's depths, with short timeouts
 #   kernelab  after a kernel change: CUDA layers (CUPTI) on $AB_OLD and this tree, twice in alternation,
 #          ncu on one deep layer on both, and the PTX's plane loads on this tree
 # Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for
 # `tests` in parallel) and .gl (libvulkan1...).
 set -uo pipefail
 what=${1:-bench}
+pack_out=${PACK_OUT:-}; export PACK_OUT=  # only the outermost call packs (modes call this script again)
 if [ ! -d /tmp/site/taichi ]; then  # once per machine: later calls in the same command reuse it
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
@@ -123,7 +129,7 @@ fi
 ptx_report() {  # registers and spills of every producer module Taichi printed (MUSER_TI_PRINT_ASM=1)
   local ptxas; ptxas=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
   for f in taichi_kernel_nvptx_*.ptx; do
-    grep -q "\.entry producer" "$f" || continue
+    grep -aq "\.entry producer" "$f" || continue
     echo "$f $(grep -m1 -o '\.maxntid [0-9, ]*' "$f") $(grep -m1 -o '\.minnctapersm [0-9]*' "$f")"
     "$ptxas" -arch=sm_90 -v "$f" -o /dev/null 2>&1 | grep -E "registers|spill" | sed 's/^/    /'
     cp "$f" "$OUT/"
@@ -217,4 +223,34 @@ if [ "$what" = kernelab ]; then  # AB_OLD=build/ab_old, as hostab
    for f in taichi_kernel_nvptx_*.ptx; do grep -q "\.entry producer" "$f" || continue
      echo "$f: $(grep -cE 'ld(\.global)?\.(b16|u16)' "$f") 16-bit loads, $(grep -cE 'ld(\.global)?\.(b32|u32)' "$f") 32-bit loads"
    done)
+fi
+if [ "$what" = warpab ]; then  # one process per tile and round, alternating, so host drift shows as a round spread
+  TUNE_VARIANTS=";WT=0" TUNE_DEPTHS=${WARPAB_TUNE_DEPTHS:-2048,131072} bash "$0" tune
+  for round in $(seq 1 ${WARPAB_ROUNDS:-1}); do
+    for wt in 1 0; do
+      bench layers-wt$wt-$round MUSER_GPU_TILE=WT=$wt timeout 150 python3 scripts/bench.py --arch cuda --mode layers \
+        --layer-depths ${AB_DEPTHS:-2048,32768,131072} --routes interleaved,splitk --repeats 15 --json "$OUT/layers-wt$wt-$round.json"
+    done
+  done
+  ncu_layer warp
+  MUSER_GPU_TILE=WT=0 ncu_layer block
+fi
+if [ "$what" = ptx ]; then  # the producer's PTX and ptxas's resource report (MUSER_TI_PRINT_ASM=1), one small layer
+  (cd /tmp && MUSER_TI_PRINT_ASM=1 PYTHONPATH=/tmp/site:$OLDPWD timeout 120 python3 $OLDPWD/scripts/bench.py --arch cuda \
+    --mode layers --layer-depths 2048 --routes interleaved --repeats 2 > /dev/null 2>&1
+   OUT=$OUT ptx_report)
+fi
+if [ "$what" = check ]; then
+  MUSER_GPU_TILE=${CHECK_TILE-WU=1} timeout ${CHECK_TIMEOUT:-200} python3 -m pytest -x -q -p no:cacheprovider --arch cuda \
+    ${CHECK_TESTS:-tests/} 2>&1 | tee "$OUT/check.log" | grep -v "^\s*$" | tail -40
+fi
+if [ "$what" = deep ]; then
+  bench cuda-layers timeout ${DEEP_LAYERS_TIMEOUT:-150} python3 scripts/bench.py --arch cuda --mode layers \
+    --layer-depths ${DEEP_LAYER_DEPTHS:-2048,32768,131072} --routes ${DEEP_ROUTES:-interleaved,splitk} --repeats 15 \
+    --json "$OUT/cuda-layers.json"
+  bench cuda-steps timeout ${DEEP_STEPS_TIMEOUT:-170} python3 scripts/bench.py --arch cuda --mode steps \
+    --step-depths ${DEEP_STEP_DEPTHS:-2048,131072} --repeats 15 --json "$OUT/cuda-steps.json"
+fi
+if [ -n "$pack_out" ]; then  # the device returns at most 8 files: pack the rest into one
+  (cd "$OUT" && tar czf /tmp/out.tgz --exclude=out.tgz . && find . -mindepth 1 -delete && mv /tmp/out.tgz .)
 fi
