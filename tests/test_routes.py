@@ -11,6 +11,8 @@ import pytest
 
 import muser_ti as mt
 from muser_ti import EngineError
+from muser_ti.kernels.producer import active_tile_plan
+from muser_ti.kernels.producer_warp import WarpTilePlan
 from sessions import DISTRIBUTIONS, GEOMETRIES, Session, geometry, own_routes_only
 
 
@@ -149,3 +151,22 @@ def test_tiny_ring_smaller_than_window_is_refused(arch):
     with pytest.raises(EngineError, match="cannot hold the window"):
         s.step()
     assert s.eng.position == 16
+
+
+# Every lane split of the GPU producer's warp tile (kernels/producer_warp.py): 4 head groups x 8 row
+# groups (Glimmer's 16 heads per KV head), 2 x 16 (8 heads, d 64) and 1 x 32 (4 heads, d 128).  The split
+# is forced down to one workgroup per (layer, KV head), so a workgroup owns every visible row and all four
+# warps work through several 128-row tiles, the current token landing in a later warp's rows; at the
+# default split a few hundred rows give each workgroup one 32-row block, which only the first warp sees.
+@pytest.mark.parametrize("n_heads, head_dim", [(32, 128), (16, 64), (8, 128)])
+def test_warp_tiles_with_every_warp_busy_match_reference(arch, n_heads, head_dim, monkeypatch):
+    if arch == "cpu":
+        pytest.skip("the CPU producer has no GPU tiles")
+    assert isinstance(active_tile_plan(head_dim, n_heads // 2), WarpTilePlan)
+    monkeypatch.setenv("MUSER_GPU_TARGET_WORKGROUPS", "2")
+    cfg = geometry(window=64, n_heads=n_heads, head_dim=head_dim)
+    s = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=n_heads + head_dim)
+    s.prefill(300)
+    for _ in range(5):  # NoPE: 301-305 rows in one workgroup, 2.4 tiles; SWA: 64 rows, two warps' worth
+        s.step()
+    assert own_routes_only(s.eng) and s.eng.split_geometry(s.eng.position, 1)[0] == 1

@@ -136,6 +136,31 @@ def owned_rows(visible, wg, nwg, nsg):
     return run, n_own, o_cur
 
 
+def item_prologue(at, words_per_row: int, threads: int, fused_store: bool, layer_base: int, slot_is_group: bool):
+    """What both GPU tiles do first for a work item: its coordinates, its model layer and plane slot
+    (gpu_producer_work says how they are bound) and, with ``fused_store``, workgroup 0's store of the
+    current token's row (a thread per packed word)."""
+
+    @ti.func
+    def prologue(tid, item, k_cur: ti.template(), v_cur: ti.template(), k_plane: ti.template(),
+                 v_plane: ti.template(), layers: ti.template(), slots: ti.template(), position, window, capacity,
+                 origin_logical, origin_physical, nwg):
+        g, kvh, wg, logical_start, visible = at.work_item(item, nwg, position, window)
+        layer, slot = layers[layer_base + g], g
+        if ti.static(not slot_is_group):
+            slot = slots[g]
+        if ti.static(fused_store):
+            if wg == 0:
+                row = at.physical_of(position, capacity, origin_logical, origin_physical)
+                e = tid
+                while e < words_per_row:
+                    at.fused_store(k_cur, v_cur, k_plane, v_plane, layer, slot, kvh, row, e)
+                    e += threads
+        return g, kvh, wg, logical_start, visible, layer, slot
+
+    return prologue
+
+
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
 
@@ -260,6 +285,7 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
     NKC = D // DC  # K chunks per tile (V chunks: as many as the tile has rows for, see n_vc)
     SCORE_THREADS, VALUE_THREADS = p.HG * RG, RS * HGV * DG
     LG, PF = p.LG, p.PF
+    prologue = item_prologue(at, DW, T, fused_store, layer_base, slot_is_group)
 
     @ti.func
     def tile_rows(plane: ti.template(), slot, kvh, o_first, count, wg, nwg, run, logical_start, capacity,
@@ -372,19 +398,10 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
              nwg, nsg, scale):
         """Thread tid of work item ``item`` (a layer, KV head and workgroup), in the workgroup's ``shared``
         arrays (shared_arrays(plan), declared by the caller's loop)."""
-        g, kvh, wg, logical_start, visible = at.work_item(item, nwg, position, window)
-        layer, slot = layers[layer_base + g], g
-        if ti.static(not slot_is_group):
-            slot = slots[g]
+        g, kvh, wg, logical_start, visible, layer, slot = prologue(
+            tid, item, k_cur, v_cur, k_plane, v_plane, layers, slots, position, window, capacity, origin_logical,
+            origin_physical, nwg)
         q_sh, buf, w_sh, part, part2, state, rows_sh = shared
-
-        if ti.static(fused_store):
-            if wg == 0:
-                row = at.physical_of(position, capacity, origin_logical, origin_physical)
-                e = tid
-                while e < DW:
-                    at.fused_store(k_cur, v_cur, k_plane, v_plane, layer, slot, kvh, row, e)
-                    e += T
         e = tid
         while e < G * D:
             q_sh[e] = q[layer, kvh * G + udiv(e, D), umod(e, D)]
@@ -550,4 +567,4 @@ def shared_arrays(plan: TilePlan) -> tuple:
 
 
 __all__ = ["GPU_PRODUCER_THREADS", "SHARED_BUDGET_BYTES", "TilePlan", "describe_block_tile",
-           "gpu_producer_work", "gpu_tile_plan", "owned_rows", "shared_arrays", "tile_overrides"]
+           "gpu_producer_work", "gpu_tile_plan", "item_prologue", "owned_rows", "shared_arrays", "tile_overrides"]

@@ -44,7 +44,7 @@ import taichi as ti
 from .. import backend
 from .common import BLOCK_ROWS, RUNNING_MAX_INIT, VISIT_OWNER
 from .halves import HALVES_PER_WORD, high, low
-from .producer_gpu import owned_rows, udiv, umod
+from .producer_gpu import item_prologue, owned_rows, udiv, umod
 
 WARP = 32  # lanes that share a warp sync (CUDA); the SPIR-V path syncs the workgroup instead
 WARPS = 4  # per workgroup: 128 threads, the register cap of the block tile (255, see GPU_PRODUCER_THREADS)
@@ -145,6 +145,7 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
     TILE = WARPS * RW
     assert WARP % DCW == 0 and DW % WARP == 0, (DCW, DW)  # a lane's chunk cells are static offsets
     warp_barrier = backend.active() == "cuda"
+    prologue = item_prologue(at, DW, WARP * WARPS, fused_store, layer_base, slot_is_group)
     SU = max(u for u in range(1, p.WU + 1) if (DC // 4) % u == 0)  # unrolled score steps
     VU = max(u for u in range(1, p.WU + 1) if VR % u == 0)  # unrolled value rows
 
@@ -214,22 +215,13 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
              k_plane: ti.template(), v_plane: ti.template(), partials: ti.template(), visits: ti.template(),
              layers: ti.template(), slots: ti.template(), position, window, capacity, origin_logical, origin_physical,
              nwg, nsg, scale):
-        g, kvh, wg, logical_start, visible = at.work_item(item, nwg, position, window)
-        layer, slot = layers[layer_base + g], g
-        if ti.static(not slot_is_group):
-            slot = slots[g]
+        g, kvh, wg, logical_start, visible, layer, slot = prologue(
+            tid, item, k_cur, v_cur, k_plane, v_plane, layers, slots, position, window, capacity, origin_logical,
+            origin_physical, nwg)
         q_sh, buf, w_sh, part, state, rows_sh = shared
         w, lane = udiv(tid, WARP), umod(tid, WARP)
         hg, rg = umod(lane, HGL), udiv(lane, HGL)  # heads hg + HGL*i; score rows rg + RGL*j; dims 4*rg + 4*RGL*jj
         wbuf, wrow, wpart, wwt = w * BUF, w * RW, w * RGL * G, w * RW * G
-
-        if ti.static(fused_store):
-            if wg == 0:
-                row = at.physical_of(position, capacity, origin_logical, origin_physical)
-                e = tid
-                while e < DW:
-                    at.fused_store(k_cur, v_cur, k_plane, v_plane, layer, slot, kvh, row, e)
-                    e += WARP * WARPS
         e = tid
         while e < G * D:
             q_sh[udiv(e, D) * QS + umod(e, D)] = q[layer, kvh * G + udiv(e, D), umod(e, D)]
