@@ -33,7 +33,7 @@ weight 0.
 
 Where it applies (warp_tile_plan): 4 heads per lane (G % 4 == 0), head groups that divide a warp (G in
 4, 8, 16, 32), at most 64 accumulators per lane (D x G <= 2048), and the shared memory of the backend:
-37.8 KiB for Glimmer, so CUDA and Vulkan (48 KiB) but not Metal (32 KiB), which keeps the block tile.
+37.2 KiB for Glimmer, so CUDA and Vulkan (48 KiB) but not Metal (32 KiB), which keeps the block tile.
 Every other geometry takes the block tile.  MUSER_GPU_TILE=WT=0 forces the block tile (tune_gpu.py).
 """
 
@@ -50,7 +50,9 @@ WARP = 32  # lanes that share a warp sync (CUDA); the SPIR-V path syncs the work
 WARPS = 4  # per workgroup: 128 threads, the register cap of the block tile (255, see GPU_PRODUCER_THREADS)
 HEADS_PER_LANE = 4  # a lane's heads: hg, hg + HGL, ... (one 128-bit load of queries or weights)
 ROWS_PER_LANE = 4  # a lane's score rows: rg, rg + RGL, ...
-MAX_ACCUMULATORS = 64  # 4 heads x VD dims per lane: 4 x 16 for Glimmer, ~150 registers in all
+MAX_ACCUMULATORS = 64  # 4 heads x VD dims per lane: 4 x 16 for Glimmer.  With the scores and a chunk in
+#                       flight ptxas takes 254-255 of the 255 registers (no spills at WU = 1 or 8, 8 bytes at 2
+#                       and 4; docs/PERF.md run 14), so 2 workgroups an SM: 8 warps, as the block tile
 CHUNK_HALVES = 1024  # per warp and chunk: 16 words per lane in flight; K chunk RW x DC, V chunk VR x D
 PAD = 4  # floats after each K chunk row and query row: rows a warp reads together fall in distinct banks
 FULL_MASK = 0xFFFFFFFF
