@@ -476,9 +476,7 @@ class Engine:
         args = [self._q_dev, k_dev, v_dev, out_dev, self._token_flags, stamp, p, self._step_layers]
         for kind in (NOPE, SWA):
             st = new_states[kind]
-            _, visible = visible_span(self.cfg, kind, p)
-            nwg, nsg = self.split_geometry(visible, len(self.planes[kind].layers))
-            partials = self._partials_for(kind, len(self.planes[kind].layers), nwg)
+            partials, nwg, nsg = self._producer_split(kind, len(self.planes[kind].layers), p)
             args += [self._k[kind], self._v[kind], partials, st.capacity, st.origin_logical, st.origin_physical, nwg, nsg]
         self._launch(self._step_kernel, *args)
 
@@ -640,10 +638,13 @@ class Engine:
 
     def _producer_launch(self, kind: str, layers, p: int):
         """(group, partials scratch, workgroups, simdgroups) of a producer launch over ``layers`` at ``p``."""
-        grp = self._group(layers)
+        return (self._group(layers),) + self._producer_split(kind, len(layers), p)
+
+    def _producer_split(self, kind: str, n_layers: int, p: int):
+        """(partials scratch, workgroups, simdgroups) of a producer launch over n_layers of a class at ``p``."""
         _, visible = visible_span(self.cfg, kind, p)
-        nwg, nsg = self.split_geometry(visible, len(layers))
-        return grp, self._partials_for(kind, len(layers), nwg), nwg, nsg
+        nwg, nsg = self.split_geometry(visible, n_layers)
+        return self._partials_for(kind, n_layers, nwg), nwg, nsg
 
     def _run_producer(self, producer, reduce, kind, layers, st: PlaneState, p, k_dev, v_dev, out_dev):
         grp, partials, nwg, nsg = self._producer_launch(kind, layers, p)

@@ -350,6 +350,5 @@ def _cpu_item_work(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, re
 
 
 __all__ = ["build_producer", "build_gpu_producer", "addressing", "active_tile_plan", "describe_plans", "gpu_work",
-           "plan_shared",
-           "plan_work", "producer_kernel", "tile_plan",
+           "plan_shared", "plan_work", "producer_kernel", "tile_plan",
            "TOKEN_MAJOR", "HEAD_MAJOR"]
