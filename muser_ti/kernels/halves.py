@@ -20,10 +20,40 @@ LOW_HALF = 0xFFFF
 packed_plane = ti.types.ndarray(dtype=ti.u32, ndim=4)  # [..., head_dim / 2] words of two halves
 
 
+F16_MIN_NORMAL_BITS = 0x38800000  # 2**-14 as f32 bits: below it an f16 is subnormal
+F16_OVERFLOW_BITS = 0x477FF000  # 65520 as f32 bits: from here f16 rounds to inf
+F32_REBIAS = 0x38000000  # (127 - 15) << 23: the f32 exponent bias less the f16 one, in place
+
+
 @ti.func
 def half_bits(x):
-    """The f16 bits of f32 ``x`` rounded to nearest even (what ti.cast(x, ti.f16) stores), as a u32."""
-    return ti.cast(ti.bit_cast(ti.cast(x, ti.f16), ti.u16), ti.u32)
+    """The f16 bits of f32 ``x`` rounded to nearest even, f16 subnormals kept, as a u32: numpy's and
+    F16C's rounding.
+
+    In integer arithmetic, not ti.cast(x, ti.f16): a SPIR-V float conversion follows the driver's
+    default float controls, which may flush f16 subnormals to zero, so the cast's bits would depend on
+    the device (NVIDIA's Vulkan driver differed from numpy here).  This runs once per stored word, off
+    the decode loop.  Non-finite input (which the engine refuses) gives a quiet NaN."""
+    b = ti.bit_cast(ti.cast(x, ti.f32), ti.u32)
+    sign = (b >> 16) & ti.u32(0x8000)
+    a = b & ti.u32(0x7FFFFFFF)
+    # Normal range: rebias the exponent in place, round the 13 dropped bits to nearest even (a carry
+    # out of the significand moves to the next binade, and past 65504 to inf, as it should).
+    normal = (a - ti.u32(F32_REBIAS) + ti.u32(0xFFF) + ((a >> 13) & ti.u32(1))) >> 13
+    # Subnormal range: the significand m (implicit bit set) counts 2**(e - 150); an f16 subnormal
+    # counts 2**-24, so h = m >> (126 - e), rounded to nearest even.  Shifts past 24 give 0 (m < 2**24);
+    # 31 keeps the shift defined.
+    e = ti.cast(a >> 23, ti.i32)
+    m = (a & ti.u32(0x7FFFFF)) | ti.u32(0x800000)
+    s = ti.cast(ti.min(ti.max(126 - e, 1), 31), ti.u32)
+    kept = m >> s
+    rest = m & ((ti.u32(1) << s) - ti.u32(1))
+    tie = ti.u32(1) << (s - ti.u32(1))
+    up = ti.select((rest > tie) | ((rest == tie) & ((kept & ti.u32(1)) == ti.u32(1))), ti.u32(1), ti.u32(0))
+    h = ti.select(a < ti.u32(F16_MIN_NORMAL_BITS), kept + up, normal)
+    h = ti.select(a >= ti.u32(F16_OVERFLOW_BITS), ti.u32(0x7C00), h)
+    h = ti.select(a > ti.u32(0x7F800000), ti.u32(0x7E00), h)
+    return sign | h
 
 
 @ti.func
