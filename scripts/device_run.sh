@@ -124,7 +124,10 @@ fi
 if [ "$what" = tests ]; then  # TEST_WORKERS=8: that many processes (pytest-xdist, carried in .whl; compiles
   # dominate).  Opt-in: its one run (run 11, 272 s) met a kernel bug, so no clean parallel run exists yet
   workers=$([ -n "${TEST_WORKERS:-}" ] && python3 -c "import xdist" 2>/dev/null && echo "-n $TEST_WORKERS")
-  timeout 560 python3 -m pytest -q -p no:cacheprovider $workers --arch cuda --arch vulkan tests/ 2>&1 | tee "$OUT/tests.log" | tail -25
+  # -v -rfE: each result line lands in the log as it happens, so a run cut by its limit still names its failures
+  timeout ${TEST_TIMEOUT:-560} python3 -m pytest -v -rfE -p no:cacheprovider $workers --arch cuda --arch vulkan \
+    ${TEST_ARGS:-tests/} > "$OUT/tests.log" 2>&1; echo "== tests rc=$?"
+  grep -cE " PASSED" "$OUT/tests.log" | sed 's/$/ passed so far/'; grep -E "FAILED|ERROR" "$OUT/tests.log" | head -40; tail -4 "$OUT/tests.log"
 fi
 ptx_report() {  # registers and spills of every producer module Taichi printed (MUSER_TI_PRINT_ASM=1)
   local ptxas; ptxas=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
