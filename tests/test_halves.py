@@ -60,6 +60,29 @@ def test_pack_rounds_as_numpy_does(arch):
     assert not (report := _mismatches("pack", x, want, got)), report
 
 
+def test_pack_matches_numpy_across_the_f32_range(arch):
+    """Random f32 bit patterns over the whole finite range, and every pattern near the edges where the
+    rounding changes kind (the f16 subnormal boundary, the last binade before 65504 and the overflow to
+    inf), both signs: each word's halves are numpy's."""
+    rng = np.random.default_rng(11)
+    bits = np.concatenate([
+        rng.integers(0, 0x7F800000, 1 << 18, dtype=np.uint32),
+        rng.integers(0x33000000 - 4096, 0x38800000 + 4096, 1 << 18, dtype=np.uint32),  # 2**-25 .. 2**-14
+        np.arange(0x33000000 - 4096, 0x33000000 + 4096, dtype=np.uint32),  # around 2**-25: rounds to 0 or not
+        np.arange(0x38800000 - 4096, 0x38800000 + 4096, dtype=np.uint32),  # around 2**-14: subnormal or not
+        np.arange(0x477FE000 - 8192, 0x47800010, dtype=np.uint32),  # 65504's binade, the tie 65520, 65536
+        np.array([0, 1, 0x387FFFFF, 0x38800000, 0x7F7FFFFF, 0x7F800000], np.uint32),
+    ])
+    x = _even(np.concatenate([bits, bits | np.uint32(0x80000000)]).view(np.float32))
+    src, words = ti.ndarray(ti.f32, (x.size,)), ti.ndarray(ti.u32, (x.size // 2,))
+    src.from_numpy(x)
+    _pack_words(src, words)
+    with np.errstate(over="ignore"):  # past 65504 numpy rounds to inf, as pack does
+        want = x.astype(np.float16).view(np.uint16)
+    got = words.to_numpy().view(np.uint16)
+    assert not (report := _mismatches("pack", x, want, got)), report
+
+
 def test_unpack_gives_back_each_half_exactly(arch):
     """low/high give back exactly the f32 value of each half, for every finite f16 bit pattern (both
     signs, every exponent, subnormals and signed zeros)."""
