@@ -12,9 +12,9 @@ row, f16-rounded the same way.  The vec routes then read the mirror.
 How it is kept bit-identical, at O(rows written) per token, never a plane copy:
 * every store (step, prefill, on every route and graph) writes the token's f32 rows rounded with numpy's
   ``astype(float16)``, round-to-nearest-even with subnormals, which is what the store kernels'
-  ``ti.cast(x, ti.f16)`` does (LLVM's fptrunc on the CPU, verified bit for bit by
-  tests/test_plane_mirror.py; SPIR-V -> MSL ``half(x)`` on Metal, whose default rounding is also
-  round-to-nearest-even -- not verified, see below);
+  ``halves.half_bits`` does on every backend: it rounds in integer arithmetic, not through the
+  driver's float conversion (tests/test_halves.py checks its bits against numpy's;
+  tests/test_plane_mirror.py the mirror against the planes; neither has run on Metal);
 * a rewind moves no data (rows past len are dead in both copies); only the state is updated;
 * a NoPE plane that grows (doubles) is reallocated and its live rows copied, as the engine does;
   a snapshot load rewrites the whole mirror from the file's rows.
@@ -191,7 +191,7 @@ class PlaneMirror:
         if len(rows) and (rows.min() < 0 or rows.max() >= cap):
             raise MirrorError(f"store: rows {rows.min()}..{rows.max()} outside the {kind} mirror's {cap} rows")
         sel = self.layers[kind]
-        # numpy's f32 -> f16 is round-to-nearest-even, as the store kernels' ti.cast(x, ti.f16)
+        # numpy's f32 -> f16 is round-to-nearest-even, as the store kernels' halves.half_bits
         kh = k[:, sel].astype(np.float16)
         vh = v[:, sel].astype(np.float16)
         if kind == SWA:  # [layer, row, kv, d] <- [row, layer, kv, d]

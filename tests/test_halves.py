@@ -48,8 +48,8 @@ def _even(x: np.ndarray) -> np.ndarray:
 
 
 def test_pack_rounds_as_numpy_does(arch):
-    """pack rounds as ti.cast(x, ti.f16): nearest even, f16 subnormals kept; the words hold numpy's f16
-    bits, low half first."""
+    """pack rounds as numpy's astype(float16) does: nearest even, f16 subnormals kept; the words hold
+    numpy's f16 bits, low half first."""
     x = _even(_values(np.random.default_rng(7), 512))
     words = ti.ndarray(ti.u32, (x.size // 2,))
     src = ti.ndarray(ti.f32, (x.size,))
