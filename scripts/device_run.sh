@@ -4,7 +4,7 @@
 #   bench  CUDA + Vulkan benchmarks (layers: GPU busy time from CUPTI on CUDA, wall on Vulkan; steps: wall
 #          time), and the workgroup-cap A/B
 #   quick  CUDA layers and steps, Vulkan steps (after a kernel change)
-#   tests  the parametrised suite on CUDA and Vulkan
+#   tests  the parametrised suite on CUDA and Vulkan (TEST_WORKERS, TEST_SHARD, TEST_ARGS, TEST_TIMEOUT)
 #   steps  the 52-layer step on CUDA and Vulkan
 #   final  the suite on both backends, CUDA layers, steps on both backends
 #   figures  quick, then Vulkan tile variants by wall time (TUNE_VARIANTS)
@@ -125,8 +125,9 @@ if [ "$what" = tests ]; then  # TEST_WORKERS=15: that many processes (pytest-xdi
   # compiles dominate: run 15's 15 processes reached 1,095 of 1,099 tests in 530 s with the CUDA unroll)
   workers=$([ -n "${TEST_WORKERS:-}" ] && python3 -c "import xdist" 2>/dev/null && echo "-n $TEST_WORKERS")
   # -v -rfE: each result line lands in the log as it happens, so a run cut by its limit still names its failures
+  # TEST_SHARD=1/2, then 2/2 in a second call: the suite in two halves of whole files (tests/conftest.py --shard)
   timeout ${TEST_TIMEOUT:-560} python3 -m pytest -v -rfE -p no:cacheprovider $workers --arch cuda --arch vulkan \
-    ${TEST_ARGS:-tests/} > "$OUT/tests.log" 2>&1; echo "== tests rc=$?"
+    ${TEST_SHARD:+--shard $TEST_SHARD} ${TEST_ARGS:-tests/} > "$OUT/tests.log" 2>&1; echo "== tests rc=$?"
   grep -cE " PASSED" "$OUT/tests.log" | sed 's/$/ passed so far/'; grep -E "FAILED|ERROR" "$OUT/tests.log" | head -40; tail -4 "$OUT/tests.log"
 fi
 ptx_report() {  # registers and spills of every producer module Taichi printed (MUSER_TI_PRINT_ASM=1)

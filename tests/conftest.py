@@ -12,6 +12,32 @@ from muser_ti import backend
 def pytest_addoption(parser):
     parser.addoption("--arch", action="append", default=None,
                      help="backend(s) for engine tests: cpu, vulkan, cuda, metal (repeatable; default cpu + vulkan)")
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run the I-th of N parts of the suite, whole test files each (a device call is time-boxed; "
+                          "files keep their kernels together, so each part compiles only its own)")
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard {text!r}: expected I/N with integers, for example 1/2") from None
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"--shard {text!r}: I must be in 1..N")
+    return i, n
+
+
+def pytest_collection_modifyitems(config, items):
+    """--shard I/N: keep the test files whose place in the sorted list of collected files is I-1 mod N."""
+    text = config.getoption("shard")
+    if text is None:
+        return
+    i, n = _shard(text)
+    files = sorted({item.nodeid.split("::")[0] for item in items})
+    mine = {f for k, f in enumerate(files) if k % n == i - 1}
+    kept = [item for item in items if item.nodeid.split("::")[0] in mine]
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid.split("::")[0] not in mine])
+    items[:] = kept
 
 
 def pytest_generate_tests(metafunc):
