@@ -33,10 +33,12 @@ def pytest_collection_modifyitems(config, items):
     if text is None:
         return
     i, n = _shard(text)
-    files = sorted({item.nodeid.split("::")[0] for item in items})
-    mine = {f for k, f in enumerate(files) if k % n == i - 1}
-    kept = [item for item in items if item.nodeid.split("::")[0] in mine]
-    config.hook.pytest_deselected(items=[item for item in items if item.nodeid.split("::")[0] not in mine])
+    file_of = {item: item.nodeid.split("::")[0] for item in items}
+    mine = set(sorted(set(file_of.values()))[i - 1::n])
+    kept, dropped = [], []
+    for item in items:
+        (kept if file_of[item] in mine else dropped).append(item)
+    config.hook.pytest_deselected(items=dropped)
     items[:] = kept
 
 

@@ -47,17 +47,21 @@ def _even(x: np.ndarray) -> np.ndarray:
     return x[: x.size // 2 * 2]
 
 
+def _pack_report(x: np.ndarray) -> str:
+    """Pack f32 ``x`` (an even count) on the device; _mismatches against numpy's f16 bits."""
+    src, words = ti.ndarray(ti.f32, (x.size,)), ti.ndarray(ti.u32, (x.size // 2,))
+    src.from_numpy(x)
+    _pack_words(src, words)
+    with np.errstate(over="ignore"):  # past 65504 numpy rounds to inf, as pack does
+        want = x.astype(np.float16).view(np.uint16)
+    return _mismatches("pack", x, want, words.to_numpy().view(np.uint16))
+
+
 def test_pack_rounds_as_numpy_does(arch):
     """pack rounds as numpy's astype(float16) does: nearest even, f16 subnormals kept; the words hold
     numpy's f16 bits, low half first."""
     x = _even(_values(np.random.default_rng(7), 512))
-    words = ti.ndarray(ti.u32, (x.size // 2,))
-    src = ti.ndarray(ti.f32, (x.size,))
-    src.from_numpy(x)
-    _pack_words(src, words)
-    want = x.astype(np.float16).view(np.uint16)
-    got = words.to_numpy().view(np.uint16)
-    assert not (report := _mismatches("pack", x, want, got)), report
+    assert not (report := _pack_report(x)), report
 
 
 def test_pack_matches_numpy_across_the_f32_range(arch):
@@ -74,13 +78,7 @@ def test_pack_matches_numpy_across_the_f32_range(arch):
         np.array([0, 1, 0x387FFFFF, 0x38800000, 0x7F7FFFFF, 0x7F800000], np.uint32),
     ])
     x = _even(np.concatenate([bits, bits | np.uint32(0x80000000)]).view(np.float32))
-    src, words = ti.ndarray(ti.f32, (x.size,)), ti.ndarray(ti.u32, (x.size // 2,))
-    src.from_numpy(x)
-    _pack_words(src, words)
-    with np.errstate(over="ignore"):  # past 65504 numpy rounds to inf, as pack does
-        want = x.astype(np.float16).view(np.uint16)
-    got = words.to_numpy().view(np.uint16)
-    assert not (report := _mismatches("pack", x, want, got)), report
+    assert not (report := _pack_report(x)), report
 
 
 def test_unpack_gives_back_each_half_exactly(arch):
