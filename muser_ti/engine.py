@@ -26,6 +26,7 @@ from .kernels.step_gpu import ONE_DISPATCH_ARCHS, build_step_kernel
 from .kernels.stores import NEVER_STAMPED, TOKEN_FLAGS, build_stores, build_token_scan, build_unpack
 from .planes import PlaneError, PlaneSet, PlaneState, plane_shape, ring_rows_to_write, visible_span, window_of
 from .reference import attend
+from .replay import GraphReplay
 from .transfer import Transfer
 
 GRAPHS = ("teacher", "serving")
@@ -103,6 +104,7 @@ class Engine:
         self.graph = graph
         self._forced = self._parse_force(force)
         self._layer_kinds = cfg.layer_kinds
+        self._routes_by_mix: dict[tuple[str, ...], list[str]] = {}  # unforced steps: each class's route -> routes
 
         g = cfg
         self.planes: dict[str, PlaneSet] = {}
@@ -151,7 +153,7 @@ class Engine:
         # host arrays when it launches it and needs no synchronisation for one the kernel only reads.
         self._unpack = build_unpack(H, KV, D) if on_gpu() and self._transfer.path == "taichi" else None
         self._groups: dict[tuple[int, ...], _Group] = {}
-        self._graphs: dict[tuple, object] = {}  # GPU: compiled step graphs by dispatch structure
+        self._graphs = GraphReplay()  # GPU: compiled step graphs by dispatch structure
         # CUDA, Vulkan: a step on the default routes is one dispatch (kernels/step_gpu.py)
         self._step_kernel = self._step_layers = None
         if gpu and backend.active() in ONE_DISPATCH_ARCHS and SWA in self.planes and NOPE in self.planes:
@@ -403,10 +405,18 @@ class Engine:
         # the ladder depends on the layer's class and plane state only, so it is evaluated once per class;
         # forced layers are checked one by one
         chosen = {kind: ladder.choose_route(kind, st, self.pinned_loaded, strict) for kind, st in new_states.items()}
-        routes = [chosen[kind] if layer not in self._forced else
-                  ladder.select(kind, new_states[kind], self.pinned_loaded, strict, self._forced[layer], layer)
-                  for layer, kind in enumerate(self._layer_kinds)]
-        pinned = sorted({r for r in routes if r in ladder.PINNED_ROUTES})
+        if self._forced:
+            routes = [chosen[kind] if layer not in self._forced else
+                      ladder.select(kind, new_states[kind], self.pinned_loaded, strict, self._forced[layer], layer)
+                      for layer, kind in enumerate(self._layer_kinds)]
+            used = set(routes)
+        else:  # every layer takes its class's route: one list per route mix, copied (users may edit .routes)
+            used = tuple(chosen.values())
+            routes = self._routes_by_mix.get(used)
+            if routes is None:
+                routes = self._routes_by_mix[used] = [chosen[kind] for kind in self._layer_kinds]
+            routes = routes.copy()
+        pinned = sorted({r for r in used if r in ladder.PINNED_ROUTES})
         if pinned and not self.pinned_loaded:
             raise PinnedUnavailable(
                 f"the ladder chose {pinned} ({ladder.STRICT_ENV} set or pinned forced) but the pinned library is not "
@@ -722,50 +732,8 @@ class Engine:
             kernel(*args)
 
     def _replay(self, dispatches, external=()) -> None:
-        """Run a list of dispatches as a compiled ti.graph: one host call instead of a Python launch per
-        kernel (~60 us each on CUDA).  The graph is keyed by the kernels and the arrays they bind;
-        scalars (position, origins, split geometry) are graph arguments, so one graph serves every token
-        until a plane is reallocated or the route mix changes.  ``external`` arrays (step_device's) may
-        change every token: they are keyed by shape, not identity.
-
-        An array bound by several dispatches is one graph argument: Taichi converts every argument of
-        the run's dict on every run, and a step passes the same q, k, v, planes and layer lists to
-        several kernels."""
-        caller = {id(a) for a in external}
-        key, values, names, arg_names = [], {}, {}, []
-        for i, (kernel, args) in enumerate(dispatches):
-            sig, these = [], []
-            for j, a in enumerate(args):
-                if isinstance(a, ti.Ndarray):
-                    name = names.get(id(a))
-                    if name is None:
-                        name = names[id(a)] = f"n{len(names)}"
-                    sig.append(("caller", name, tuple(a.shape)) if id(a) in caller else (name, id(a)))
-                else:
-                    name = f"d{i}a{j}"
-                    sig.append(type(a).__name__)
-                values[name] = a
-                these.append(name)
-            key.append((id(kernel), tuple(sig)))
-            arg_names.append(these)
-        key = tuple(key)
-        graph = self._graphs.get(key)
-        if graph is None:
-            builder = ti.graph.GraphBuilder()
-            symbols = {name: self._graph_arg(name, a) for name, a in values.items()}
-            for (kernel, _), these in zip(dispatches, arg_names):
-                builder.dispatch(kernel, *[symbols[name] for name in these])
-            graph = self._graphs[key] = builder.compile()
-        # arrays bound at build time are part of the key; pass them again (graphs take them per run)
-        graph.run(values)
-
-    @staticmethod
-    def _graph_arg(name: str, a):
-        if isinstance(a, ti.Ndarray):
-            return ti.graph.Arg(ti.graph.ArgKind.NDARRAY, name, dtype=a.dtype, ndim=len(a.shape))
-        if isinstance(a, float):
-            return ti.graph.Arg(ti.graph.ArgKind.SCALAR, name, ti.f32)
-        return ti.graph.Arg(ti.graph.ArgKind.SCALAR, name, ti.i32)
+        """Run a list of dispatches as one compiled ti.graph (replay.py: keys, arguments, costs)."""
+        self._graphs.run(dispatches, external)
 
     # ---- snapshots (muser_ti/snapshot.py) ------------------------------------------------------
     def save(self, path) -> None:

@@ -67,14 +67,12 @@ class PlaneState:
 
     def after_append(self, position: int) -> "PlaneState":
         """State once the token at ``position`` (== origin_logical + len) is written."""
+        # built directly: dataclasses.replace took 2.0 us a call against 0.9 on the dev VM, and this runs for
+        # every plane on every decode step, inside the host's share of a short step (docs/PERF.md run 16)
         if self.len < self.capacity:
-            return replace(self, len=self.len + 1)
+            return PlaneState(self.len + 1, self.capacity, self.origin_logical, self.origin_physical)
         # Full: the new token takes the oldest token's slot and the origin moves past it.
-        return replace(
-            self,
-            origin_logical=self.origin_logical + 1,
-            origin_physical=(self.origin_physical + 1) % self.capacity,
-        )
+        return PlaneState(self.len, self.capacity, self.origin_logical + 1, (self.origin_physical + 1) % self.capacity)
 
     def after_rewind(self, drop: int) -> "PlaneState":
         """State once the newest ``drop`` tokens are forgotten (origins stay: rows do not move)."""
