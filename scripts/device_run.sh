@@ -24,6 +24,10 @@
 #   check  the suite on CUDA, stopping at the first failure (CHECK_TESTS, CHECK_TIMEOUT; MUSER_GPU_TILE=WU=1
 #          there unless CHECK_TILE says otherwise: the warp tile's unrolled CUDA build compiles ~50 s a producer)
 #   deep   CUDA layers (CUPTI) and CUDA steps at the depths, with short timeouts
+#   pyhost after a host-side change: CUDA steps at 2,048 and 131,072 keys on this tree, at 2,048 on $AB_OLD,
+#          at 2,048 on this tree again, then the host's parts (tune_gpu.py stephost)
+#   hostalt CUDA steps at 2,048 keys on this tree and $AB_OLD in alternating rounds (HOSTALT_ROUNDS), then
+#          the host's parts (tune_gpu.py stephost)
 #   kernelab  after a kernel change: CUDA layers (CUPTI) on $AB_OLD and this tree, twice in alternation,
 #          ncu on one deep layer on both, and the PTX's plane loads on this tree
 # Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for
@@ -254,6 +258,28 @@ if [ "$what" = deep ]; then
     --json "$OUT/cuda-layers.json"
   bench cuda-steps timeout ${DEEP_STEPS_TIMEOUT:-170} python3 scripts/bench.py --arch cuda --mode steps \
     --step-depths ${DEEP_STEP_DEPTHS:-2048,131072} --repeats 15 --json "$OUT/cuda-steps.json"
+fi
+if [ "$what" = pyhost ]; then  # after a host-side (Python) change, AB_OLD as hostab.  A bare machine compiles the
+  # one-dispatch step (two unrolled producers) for over 150 s, and Taichi writes its offline cache only when a
+  # process exits: the first process compiles with room to spare, the later ones load what it wrote
+  bench new-cuda-steps-1 timeout 330 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,131072 \
+    --repeats 15 --json "$OUT/new-cuda-steps-1.json"
+  (cd "$AB_OLD" && export PYTHONPATH=/tmp/site:$PWD && bench old-cuda-steps-2 timeout 90 python3 scripts/bench.py \
+    --arch cuda --mode steps --step-depths 2048 --repeats 15 --json "$OUT/old-cuda-steps-2.json")
+  bench new-cuda-steps-3 timeout 90 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048 \
+    --repeats 15 --json "$OUT/new-cuda-steps-3.json"
+  timeout 60 python3 scripts/tune_gpu.py stephost --arch cuda --depth 2048 --repeats 10 --json "$OUT/stephost-cuda.json" \
+    > "$OUT/stephost-cuda.log" 2>&1; echo "== stephost rc=$?"; grep -E '^\{' "$OUT/stephost-cuda.log"
+fi
+if [ "$what" = hostalt ]; then  # AB_OLD as hostab: CUDA steps at 2,048 keys on this tree and on $AB_OLD in
+  # HOSTALT_ROUNDS alternating rounds, one process each (the host's speed moves between processes: run 16
+  # saw torch's 52 calls at 1.11-1.75 ms), then the host's parts on this tree (tune_gpu.py stephost)
+  for round in $(seq 1 ${HOSTALT_ROUNDS:-2}); do
+    ab_bench cuda-steps-$round timeout 70 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048 \
+      --repeats 15 --json @JSON@
+  done
+  timeout 60 python3 scripts/tune_gpu.py stephost --arch cuda --depth 2048 --repeats 10 --json "$OUT/stephost-cuda.json" \
+    > "$OUT/stephost-cuda.log" 2>&1; echo "== stephost rc=$?"; grep -E '^\{' "$OUT/stephost-cuda.log"
 fi
 if [ -n "$pack_out" ]; then  # the device returns at most 8 files: pack the rest into one
   (cd "$OUT" && tar czf /tmp/out.tgz --exclude=out.tgz . && find . -mindepth 1 -delete && mv /tmp/out.tgz .)

@@ -33,10 +33,12 @@ default memory pool (Taichi's per-launch buffers) across synchronisations: no ch
 Between processes on the lent H200 the host's speed moved torch's launch-bound step by 1.7x (run 11),
 more than the difference measured here.
 
-stephost: where the host's time inside Taichi's graph run of the one-dispatch step goes, at one depth:
-the step's own graph replayed with the values it was given, against kernels with the same 31
-arguments and trivial bodies (one task, and five tasks as the step has), Taichi's Python wrapper
-(Graph.run) against its C++ entry (jit_run), and the CompileConfig copy the wrapper makes per run.
+stephost: where the host's time in a one-dispatch step goes, at one depth: the step's own graph replayed
+with the values it was given through Taichi's Python wrapper (Graph.run) and through its C++ entry
+(jit_run), the CompileConfig copy the wrapper makes per run, the engine's own entry (replay.py, which
+calls jit_run), and the engine's Python share of step_device: the same call with the graph run and the
+flags read stubbed out, rewound after each (rewind_us apart).  (Run 13 also timed kernels with the
+step's arguments and trivial bodies; those had its 32 arguments and are gone with them.)
 
 Every figure is a median; rows are printed as JSON lines and written to --json.
 """
@@ -64,6 +66,7 @@ from muser_ti.kernels.common import HEAD_MAJOR  # noqa: E402
 from muser_ti.kernels.producer import addressing, build_gpu_producer, tile_plan  # noqa: E402
 from muser_ti.kernels.producer_gpu import SHARED_BUDGET_BYTES, tile_overrides  # noqa: E402
 from muser_ti.reference import relative_error  # noqa: E402
+from muser_ti.replay import graph_arg  # noqa: E402
 from muser_ti.tolerances import F32_ROUTE_RTOL  # noqa: E402
 
 
@@ -297,7 +300,7 @@ def launch(args, rows) -> None:
     for label, (kernel, kargs) in cases.items():
         for n in (1, 8):
             builder = ti.graph.GraphBuilder()
-            symbols = [mt.Engine._graph_arg(f"a{j}", a) for j, a in enumerate(kargs)]
+            symbols = [graph_arg(f"a{j}", a) for j, a in enumerate(kargs)]
             for _ in range(n):
                 builder.dispatch(kernel, *symbols)
             graph = builder.compile()
@@ -321,19 +324,20 @@ def launch(args, rows) -> None:
 def paths(args, rows) -> None:
     """One-dispatch step against the graph route: see the module docstring."""
     import taichi as ti
-    from taichi.graph import _graph
+
+    from muser_ti import replay
 
     cfg = mt.load_config(args.config)
     rng = np.random.default_rng(args.seed)
     in_run = [0.0]
-    run = _graph.Graph.run
+    run = replay._Compiled.run
 
-    def timed_run(self, values):  # the host's time in Taichi's graph launch (C++ included)
+    def timed_run(self, flat):  # the host's time in Taichi's graph launch (C++ included)
         t0 = time.perf_counter()
-        run(self, values)
+        run(self, flat)
         in_run[0] += time.perf_counter() - t0
 
-    _graph.Graph.run = timed_run
+    replay._Compiled.run = timed_run
     for depth in args.depths:
         eng = mt.Engine(cfg, arch=args.arch, pinned="off")
         if not eng.one_dispatch_step:
@@ -362,16 +366,15 @@ def paths(args, rows) -> None:
             emit({"what": "step path", "arch": eng.arch, "depth": depth, "path": path, "way": way,
                   "median_us": statistics.median(ts) * 1e6, "round_medians_us": [t * 1e6 for t in ts],
                   "graph_run_us": statistics.median(runs[path, way]) * 1e6, "launches": launches[path, way]}, rows)
-    _graph.Graph.run = run
+    replay._Compiled.run = run
 
 
 def stephost(args, rows) -> None:
     """The one dispatch's host time, taken apart: see the module docstring."""
     import taichi as ti
-    from taichi.graph import _graph
     from taichi.lang import impl
 
-    from muser_ti.kernels.halves import packed_plane
+    from muser_ti import replay
 
     cfg = mt.load_config(args.config)
     rng = np.random.default_rng(args.seed)
@@ -380,12 +383,12 @@ def stephost(args, rows) -> None:
     q, k, v = random_token(cfg, rng)
     dev = device_token(q, k, v)
     out = ti.ndarray(ti.f32, q.shape)
-    seen = []
-    run = _graph.Graph.run
-    _graph.Graph.run = lambda self, values: (seen.append((self, dict(values))), run(self, values))[1]
+    seen = []  # the step's graph and its arguments by name, as the engine's replay ran them
+    run = replay._Compiled.run
+    replay._Compiled.run = lambda self, flat: (seen.append((self.graph, dict(zip(self.names, flat)))), run(self, flat))[1]
     eng.step_device(*dev, out)
     ti.sync()
-    _graph.Graph.run = run
+    replay._Compiled.run = run
     graph, values = seen[-1]
     repeats = args.repeats * 4
 
@@ -400,52 +403,27 @@ def stephost(args, rows) -> None:
         ti.sync()
         return statistics.median(ts[3:]) * 1e6
 
-    f3, f4 = ti.types.ndarray(dtype=ti.f32, ndim=3), ti.types.ndarray(dtype=ti.f32, ndim=4)
-    i1 = ti.types.ndarray(dtype=ti.i32, ndim=1)
-
-    @ti.kernel
-    def one_task(q: f3, k_cur: f3, v_cur: f3, out: f3, flags: i1, stamp: ti.i32, position: ti.i32, scale: ti.f32,
-                 k_nope: packed_plane, v_nope: packed_plane, part_nope: f4, layers_nope: i1, slots_nope: i1,
-                 window_nope: ti.i32, cap_nope: ti.i32, ol_nope: ti.i32, op_nope: ti.i32, row_nope: ti.i32,
-                 nwg_nope: ti.i32, nsg_nope: ti.i32,
-                 k_swa: packed_plane, v_swa: packed_plane, part_swa: f4, layers_swa: i1, slots_swa: i1,
-                 window_swa: ti.i32, cap_swa: ti.i32, ol_swa: ti.i32, op_swa: ti.i32, row_swa: ti.i32,
-                 nwg_swa: ti.i32, nsg_swa: ti.i32):
-        for _ in range(1):
-            flags[0] += stamp - stamp
-
-    @ti.kernel
-    def five_tasks(q: f3, k_cur: f3, v_cur: f3, out: f3, flags: i1, stamp: ti.i32, position: ti.i32, scale: ti.f32,
-                   k_nope: packed_plane, v_nope: packed_plane, part_nope: f4, layers_nope: i1, slots_nope: i1,
-                   window_nope: ti.i32, cap_nope: ti.i32, ol_nope: ti.i32, op_nope: ti.i32, row_nope: ti.i32,
-                   nwg_nope: ti.i32, nsg_nope: ti.i32,
-                   k_swa: packed_plane, v_swa: packed_plane, part_swa: f4, layers_swa: i1, slots_swa: i1,
-                   window_swa: ti.i32, cap_swa: ti.i32, ol_swa: ti.i32, op_swa: ti.i32, row_swa: ti.i32,
-                   nwg_swa: ti.i32, nsg_swa: ti.i32):
-        for _ in range(1):
-            flags[0] += stamp - stamp
-        for _ in range(1):
-            flags[0] += stamp - stamp
-        for _ in range(nwg_nope - nwg_nope + 1):  # a runtime bound, as the producers' task has
-            flags[0] += stamp - stamp
-        for _ in range(1):
-            flags[0] += stamp - stamp
-
     names = list(values)
-    symbols = [mt.Engine._graph_arg(n, values[n]) for n in names]
     row = {"what": "step host parts", "arch": eng.arch, "depth": args.depth, "arguments": len(names),
            "arrays": sum(isinstance(values[n], ti.Ndarray) for n in names)}
     row["step_graph_run_us"] = host_time(lambda: graph.run(values))
-    for label, kernel in (("one_task", one_task), ("five_tasks", five_tasks)):
-        builder = ti.graph.GraphBuilder()
-        builder.dispatch(kernel, *symbols)
-        g = builder.compile()
-        g.run(values)
-        row[f"{label}_graph_run_us"] = host_time(lambda: g.run(values))
     flat = {n: (a.arr if isinstance(a, ti.Ndarray) else a) for n, a in values.items()}
     config = impl.get_runtime().prog.config()
     row["step_jit_run_us"] = host_time(lambda: graph._compiled_graph.jit_run(config, flat))
     row["config_copy_us"] = host_time(lambda: impl.get_runtime().prog.config())
+    compiled = next(c for c in eng._graphs._compiled.values() if c.graph is graph)
+    flat_list = [values[n] for n in compiled.names]
+    row["engine_replay_run_us"] = host_time(lambda: compiled.run(flat_list))  # the engine's own entry
+    # the engine's Python share of step_device: the same calls with the graph run and the flags read stubbed
+    # out (nothing reaches the device, so each call is a fresh token's bookkeeping; rewound every time)
+    base, download = eng.position, eng._transfer.download
+    replay._Compiled.run = lambda self, flat: None
+    eng._transfer.download = lambda dev, shape: np.zeros(shape, np.int32)
+    try:
+        row["engine_python_us"] = host_time(lambda: (eng.step_device(*dev, out), eng.rewind(base)))
+        row["rewind_us"] = host_time(lambda: eng.rewind(base))
+    finally:
+        replay._Compiled.run, eng._transfer.download = run, download
     emit(row, rows)
 
 
