@@ -1,6 +1,7 @@
 """§16.7's bandwidth arithmetic, checked against figures computed here by hand from the geometry
 fields (never against constants copied from the chapter or from bandwidth.py)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,8 +93,9 @@ def test_swa_only_and_no_weights():
 
 
 def test_decode_explain_prints_the_table():
+    env = {k: v for k, v in os.environ.items() if k != "MUSER_GPU_TILE"}  # the default tiles are what is pinned
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "decode.py"), "--config", "glimmer.yaml", "--explain"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert "1,024 B" in out.stdout and "10.90 %" in out.stdout and "none within max_context" in out.stdout
     # the GPU producer's tile per backend, from the same arithmetic tests/test_gpu_plan.py pins

@@ -73,9 +73,11 @@ def test_a_caller_array_passed_twice_gets_a_graph_of_its_own(kernels):
     r.run([(shift, (a, b, 1, 1.0))], external=(a, b))
     src = fresh(rng)
     c = device(src)
-    r.run([(shift, (c, c, 2, 3.0))], external=(c, c))  # in place: src and dst are one graph argument
+    r.run([(shift, (c, c, 2, 2.0))], external=(c, c))  # in place: src and dst are one graph argument
     assert len(r) == 2
-    np.testing.assert_array_equal(c.to_numpy(), src * np.float32(3) + np.float32(2))
+    # scales are powers of two: GPUs contract x * scale + by into one FMA, exact only when the product is
+    # (a scale of 3 failed this on the H200's CUDA and Vulkan, run 16)
+    np.testing.assert_array_equal(c.to_numpy(), src * np.float32(2) + np.float32(2))
     d, e = device(fresh(rng)), device(fresh(rng))
     r.run([(shift, (d, e, 1, 1.0))], external=(d, e))  # two arrays again: the first graph
     assert len(r) == 2
