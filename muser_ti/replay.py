@@ -5,14 +5,14 @@ A graph is compiled once per dispatch structure: the kernels in order, which arg
 which arrays are the same one.  Scalars (position, origins, split geometry) are graph arguments, so one
 graph serves every token until a plane is reallocated or the route mix changes.  The arrays a caller
 hands in (``external``: step_device's q, k, v and out) may be new objects every token: they are keyed
-by their place among the caller's arrays, not by identity, so a caller that passes the same array twice
-gets a graph of its own.  An array bound by several dispatches is one graph argument: Taichi converts
+by their place among the caller's arrays, dtype and rank (what a graph argument fixes), not by
+identity, so a caller that passes the same array twice gets a graph of its own.  An array bound by several dispatches is one graph argument: Taichi converts
 every argument of a run on every run (~2-4 us an array, ~1 us a scalar on the H200's host, run 13).
 
 This sits inside the host's share of every short step (a 52-layer step at 2,048 keys has ~116 us of
 it, run 15), so the per-run work is kept to a key made in one comprehension, one dict, and Taichi's
 C++ entry, ``jit_run``, called directly: ``Graph.run`` only flattens the same dict again and copies the
-compile config (run 13 measured ~10 us for that wrapper).  ``jit_run`` is Taichi 1.7.4's (the version
+compile config (70 against 64 us on the H200's host in run 16, ~11 us more in run 13).  ``jit_run`` is Taichi 1.7.4's (the version
 pinned in pyproject.toml); where a Taichi lacks it, ``Graph.run`` runs instead.
 """
 
@@ -75,9 +75,9 @@ class GraphReplay:
         """Run ``dispatches`` (a list of (kernel, args)) as one graph; ``external`` as the module says."""
         place = {id(a): i for i, a in enumerate(external)}
         flat = [a for _, args in dispatches for a in args]
-        # an array: ("caller", its place) or its id; a scalar: its type
-        key_args = tuple([(("caller", place[id(a)]) if id(a) in place else id(a)) if isinstance(a, ti.Ndarray)
-                          else type(a) for a in flat])
+        # an array: ("caller", its place, dtype, rank) or its id; a scalar: its type
+        key_args = tuple([(("caller", place[id(a)], a.dtype, len(a.shape)) if id(a) in place else id(a))
+                          if isinstance(a, ti.Ndarray) else type(a) for a in flat])
         key = (tuple([(id(kernel), len(args)) for kernel, args in dispatches]), key_args)
         compiled = self._compiled.get(key)
         if compiled is None:

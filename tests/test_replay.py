@@ -93,3 +93,21 @@ def test_engine_arrays_are_keyed_by_identity(kernels):
     assert len(r) == 1
     r.run([(shift, (a, c, 1, 1.0))])  # another array bound (a reallocated plane): another graph
     assert len(r) == 2
+
+
+def test_a_caller_array_of_another_rank_gets_a_graph_of_its_own(arch):
+    @ti.kernel
+    def total(src: ti.types.ndarray(dtype=ti.f32), dst: ti.types.ndarray(dtype=ti.f32, ndim=1)):
+        for I in ti.grouped(src):
+            dst[0] += src[I]
+
+    rng = np.random.default_rng(11)
+    r = replay.GraphReplay()
+    for shape in ((6,), (2, 3)):  # the same place, rank 1 then rank 2: a graph argument fixes the rank
+        src = ti.ndarray(ti.f32, shape)
+        host = rng.integers(-8, 8, shape).astype(np.float32)  # small integers: the sum is exact in any order
+        src.from_numpy(host)
+        dst = device([0.0])
+        r.run([(total, (src, dst))], external=(src, dst))
+        assert dst.to_numpy()[0] == host.sum()
+    assert len(r) == 2
