@@ -6,14 +6,16 @@ which arrays are the same one.  Scalars (position, origins, split geometry) are 
 graph serves every token until a plane is reallocated or the route mix changes.  The arrays a caller
 hands in (``external``: step_device's q, k, v and out) may be new objects every token: they are keyed
 by their place among the caller's arrays, dtype and rank (what a graph argument fixes), not by
-identity, so a caller that passes the same array twice gets a graph of its own.  An array bound by several dispatches is one graph argument: Taichi converts
-every argument of a run on every run (~2-4 us an array, ~1 us a scalar on the H200's host, run 13).
+identity, so a caller that passes the same array twice gets a graph of its own.  An array bound by
+several dispatches is one graph argument: Taichi converts every argument of a run on every run (~2-4 us
+an array, ~1 us a scalar on the H200's host, run 13).
 
 This sits inside the host's share of every short step (a 52-layer step at 2,048 keys has ~116 us of
 it, run 15), so the per-run work is kept to a key made in one comprehension, one dict, and Taichi's
 C++ entry, ``jit_run``, called directly: ``Graph.run`` only flattens the same dict again and copies the
-compile config (70 against 64 us on the H200's host in run 16, ~11 us more in run 13).  ``jit_run`` is Taichi 1.7.4's (the version
-pinned in pyproject.toml); where a Taichi lacks it, ``Graph.run`` runs instead.
+compile config (70 against 64 us on the H200's host in run 16, ~11 us more in run 13).  ``jit_run`` is
+Taichi 1.7.4's (the version pinned in pyproject.toml); where a Taichi lacks it, ``Graph.run`` runs
+instead.
 """
 
 import taichi as ti
@@ -34,14 +36,13 @@ class _Compiled:
 
     __slots__ = ("graph", "names", "is_array", "jit_run")
 
-    def __init__(self, dispatches, key_args):
+    def __init__(self, dispatches, flat, key_args):
         names, first = [], {}
         for j, sig in enumerate(key_args):
             if isinstance(sig, type):  # a scalar: an argument of its own
                 names.append(f"s{j}")
             else:  # an array: one argument per distinct array
                 names.append(first.setdefault(sig, f"a{len(first)}"))
-        flat = [a for _, args in dispatches for a in args]
         symbols = {name: graph_arg(name, a) for name, a in zip(names, flat)}
         builder = ti.graph.GraphBuilder()
         j = 0
@@ -81,7 +82,7 @@ class GraphReplay:
         key = (tuple([(id(kernel), len(args)) for kernel, args in dispatches]), key_args)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compiled[key] = _Compiled(dispatches, key_args)
+            compiled = self._compiled[key] = _Compiled(dispatches, flat, key_args)
         compiled.run(flat)
 
 

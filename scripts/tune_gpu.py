@@ -383,13 +383,14 @@ def stephost(args, rows) -> None:
     q, k, v = random_token(cfg, rng)
     dev = device_token(q, k, v)
     out = ti.ndarray(ti.f32, q.shape)
-    seen = []  # the step's graph and its arguments by name, as the engine's replay ran them
+    seen = []  # the step's compiled graph and its arguments, as the engine's replay ran them
     run = replay._Compiled.run
-    replay._Compiled.run = lambda self, flat: (seen.append((self.graph, dict(zip(self.names, flat)))), run(self, flat))[1]
+    replay._Compiled.run = lambda self, flat: (seen.append((self, list(flat))), run(self, flat))[1]
     eng.step_device(*dev, out)
     ti.sync()
     replay._Compiled.run = run
-    graph, values = seen[-1]
+    compiled, flat_list = seen[-1]
+    graph, values = compiled.graph, dict(zip(compiled.names, flat_list))
     repeats = args.repeats * 4
 
     def host_time(call):
@@ -411,8 +412,6 @@ def stephost(args, rows) -> None:
     config = impl.get_runtime().prog.config()
     row["step_jit_run_us"] = host_time(lambda: graph._compiled_graph.jit_run(config, flat))
     row["config_copy_us"] = host_time(lambda: impl.get_runtime().prog.config())
-    compiled = next(c for c in eng._graphs._compiled.values() if c.graph is graph)
-    flat_list = [values[n] for n in compiled.names]
     row["engine_replay_run_us"] = host_time(lambda: compiled.run(flat_list))  # the engine's own entry
     # the engine's Python share of step_device: the same calls with the graph run and the flags read stubbed
     # out (nothing reaches the device, so each call is a fresh token's bookkeeping; rewound every time)

@@ -1,5 +1,5 @@
-"""replay.GraphReplay: one compiled graph per dispatch structure, the caller's arrays keyed by their place
-(and by which of them are the same array), the engine's by identity; both run paths give the same bits."""
+"""replay.GraphReplay: one compiled graph per dispatch structure, the caller's arrays keyed by their place,
+rank and which of them are the same array, the engine's by identity; both run paths give the same bits."""
 
 import numpy as np
 import pytest
