@@ -28,6 +28,7 @@
 #          at 2,048 on this tree again, then the host's parts (tune_gpu.py stephost)
 #   hostalt CUDA steps at 2,048 keys on this tree and $AB_OLD in alternating rounds (HOSTALT_ROUNDS), then
 #          the host's parts (tune_gpu.py stephost)
+#   tileab tile variants (tune), then CUDA layers (CUPTI) per MUSER_GPU_TILE in TILEAB_TILES, alternating rounds
 #   kernelab  after a kernel change: CUDA layers (CUPTI) on $AB_OLD and this tree, twice in alternation,
 #          ncu on one deep layer on both, and the PTX's plane loads on this tree
 # Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for
@@ -139,7 +140,8 @@ ptx_report() {  # registers and spills of every producer module Taichi printed (
   for f in taichi_kernel_nvptx_*.ptx; do
     grep -aq "\.entry producer" "$f" || continue
     echo "$f $(grep -m1 -o '\.maxntid [0-9, ]*' "$f") $(grep -m1 -o '\.minnctapersm [0-9]*' "$f")"
-    "$ptxas" -arch=sm_90 -v "$f" -o /dev/null 2>&1 | grep -E "registers|spill" | sed 's/^/    /'
+    tr -d '\000' < "$f" > /tmp/clean.ptx  # Taichi's printed PTX ends in a NUL, which ptxas reads as a bad EOF
+    "$ptxas" -arch=sm_90 -v /tmp/clean.ptx -o /dev/null 2>&1 | grep -E "registers|spill" | sed 's/^/    /'
     cp "$f" "$OUT/"
   done
 }
@@ -152,7 +154,7 @@ import json, sys
 for l in sys.stdin:
     r = json.loads(l)
     print("  %-22s %7d dev %8.1f us wall %8.1f us err %.1e same-bits %s compile %ss %s" % (r["variant"], r["depth"],
-          r.get("device_us", 0), r.get("wall_us", 0), r.get("rel_err", -1), r.get("bits_as_default"), r.get("first_launch_s"), r.get("error", "")))'
+          r.get("device_us", 0), r.get("wall_us", 0), r.get("rel_err", -1), r.get("bits_as_default"), r.get("first_launch_s"), r.get("error", ""))))'
   ptx_report
 fi
 if [ "$what" = hoststep ]; then  # where a step's wall time goes, CUDA and Vulkan; Vulkan tile variants by wall time
@@ -242,6 +244,18 @@ if [ "$what" = warpab ]; then  # one process per tile and round, alternating, so
   done
   ncu_layer warp
   MUSER_GPU_TILE=WT=0 ncu_layer block
+fi
+if [ "$what" = tileab ]; then  # tile variants (TUNE_VARIANTS) in one process, then CUDA layers (CUPTI, torch in the same
+  # process) for each MUSER_GPU_TILE in TILEAB_TILES (";"-separated, empty: the default) in alternating rounds
+  TUNE_DEPTHS=${TUNE_DEPTHS:-32768,131072} bash "$0" tune
+  IFS=';' read -r -a tiles <<< "${TILEAB_TILES:-;HS=2}"
+  for round in $(seq 1 ${TILEAB_ROUNDS:-1}); do
+    for i in "${!tiles[@]}"; do
+      bench layers-tile$i-$round MUSER_GPU_TILE="${tiles[$i]}" timeout ${TILEAB_TIMEOUT:-150} python3 scripts/bench.py \
+        --arch cuda --mode layers --layer-depths ${AB_DEPTHS:-2048,32768,131072} --routes ${AB_ROUTES:-interleaved} \
+        --repeats 15 --json "$OUT/layers-tile$i-$round.json"
+    done
+  done
 fi
 if [ "$what" = ptx ]; then  # the producer's PTX and ptxas's resource report (MUSER_TI_PRINT_ASM=1), one small layer
   (cd /tmp && MUSER_TI_PRINT_ASM=1 PYTHONPATH=/tmp/site:$OLDPWD timeout 120 python3 $OLDPWD/scripts/bench.py --arch cuda \

@@ -154,3 +154,24 @@ def test_glimmer_takes_warp_tiles_on_cuda_and_vulkan_and_the_block_tile_on_metal
     # Qwen2.5-7B's 7 heads per KV head and multi-head attention keep the block tile
     assert warp_tile_plan(7, 128, SHARED_BUDGET_BYTES["cuda"]) is None
     assert warp_tile_plan(1, 256, SHARED_BUDGET_BYTES["cuda"]) is None
+
+
+def test_kernels_follow_the_tile_that_muser_gpu_tile_names(arch, monkeypatch):
+    """The kernel cache is keyed by the tile plan: an engine made after MUSER_GPU_TILE changes gets that
+    tile's kernels, not those of the first engine of the process (nothing compiles here: Taichi compiles
+    on the first launch)."""
+    from muser_ti.kernels.interleaved import build_interleaved
+    from muser_ti.kernels.splitk import build_splitk
+
+    gpu = arch != "cpu"
+    monkeypatch.delenv("MUSER_GPU_TILE", raising=False)
+    default = build_interleaved(128, 16, 2, 32, gpu)[0], build_splitk(128, 16, 2, 32, gpu)[0]
+    monkeypatch.setenv("MUSER_GPU_TILE", "WT=0")
+    block = build_interleaved(128, 16, 2, 32, gpu)[0], build_splitk(128, 16, 2, 32, gpu)[0]
+    monkeypatch.delenv("MUSER_GPU_TILE")
+    again = build_interleaved(128, 16, 2, 32, gpu)[0], build_splitk(128, 16, 2, 32, gpu)[0]
+    assert again[0] is default[0] and again[1] is default[1]
+    if gpu:  # WT=0: the block tile instead of the warp tile
+        assert block[0] is not default[0] and block[1] is not default[1]
+    else:  # the CPU producer has no tile
+        assert block[0] is default[0] and block[1] is default[1]

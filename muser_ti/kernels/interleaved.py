@@ -12,13 +12,13 @@ import taichi as ti
 
 from .common import HEAD_MAJOR, cached
 from .merge import build_reduce
-from .producer import build_producer
+from .producer import build_producer, plan_key
 
 
 def build_interleaved(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int, gpu: bool, record: bool = False):
     """(producer, reduce_v2) for the head-major plane."""
     producer = cached(
-        ("interleaved", head_dim, heads_per_kv, n_kv, gpu, record),
+        ("interleaved", head_dim, heads_per_kv, n_kv, gpu, record, plan_key(head_dim, heads_per_kv, gpu)),
         lambda: build_producer(head_dim, heads_per_kv, n_kv, gpu, HEAD_MAJOR, bypass=True, record=record),
     )
     # reduce_v2: the LSE merge with precise exp, f32 output.

@@ -189,6 +189,12 @@ def active_tile_plan(head_dim: int, heads_per_kv: int):
     return tile_plan(heads_per_kv, head_dim, SHARED_BUDGET_BYTES[arch], arch, **tile_overrides())
 
 
+def plan_key(head_dim: int, heads_per_kv: int, gpu: bool):
+    """What a kernel cache key needs of the tile: the active plan on a GPU (MUSER_GPU_TILE may change it
+    between engines of one process), None on the CPU."""
+    return active_tile_plan(head_dim, heads_per_kv) if gpu else None
+
+
 def gpu_work(head_dim: int, heads_per_kv: int, n_kv: int, layout: str, bypass: bool, layer_base: int):
     """(per-thread work, tile plan) of the GPU producer for the one-dispatch step (step_gpu.py): the
     producer's ti.func without its fused store, which that step makes a task of its own, over every layer
@@ -350,5 +356,5 @@ def _cpu_item_work(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, re
 
 
 __all__ = ["build_producer", "build_gpu_producer", "addressing", "active_tile_plan", "describe_plans", "gpu_work",
-           "plan_shared", "plan_work", "producer_kernel", "tile_plan",
+           "plan_key", "plan_shared", "plan_work", "producer_kernel", "tile_plan",
            "TOKEN_MAJOR", "HEAD_MAJOR"]

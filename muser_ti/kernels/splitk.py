@@ -11,7 +11,7 @@ import taichi as ti
 
 from .common import BLOCK_ROWS, MAX_WORKGROUPS, TOKEN_MAJOR, cached
 from .merge import build_reduce
-from .producer import build_producer
+from .producer import build_producer, plan_key
 
 # llama.cpp's Metal flash_attn_ext_vec always launches nwg = 32 and only grows simdgroups (1 -> 4) once
 # 2*nwg*nsg*32 < visible.  Ferrite's occupancy-first cap of 96 oversubscribed the 13 NoPE planes: the
@@ -71,7 +71,7 @@ def block_owner(block: int, nwg: int, nsg: int) -> tuple[int, int]:
 def build_splitk(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int, gpu: bool, record: bool = False):
     """(producer, reduce_f32, reduce_f16) for the token-major ring."""
     producer = cached(
-        ("splitk", head_dim, heads_per_kv, n_kv, gpu, record),
+        ("splitk", head_dim, heads_per_kv, n_kv, gpu, record, plan_key(head_dim, heads_per_kv, gpu)),
         lambda: build_producer(head_dim, heads_per_kv, n_kv, gpu, TOKEN_MAJOR, bypass=False, record=record),
     )
     return producer, build_reduce(head_dim, n_heads, gpu, ti.f32), build_reduce(head_dim, n_heads, gpu, ti.f16)
