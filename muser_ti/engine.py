@@ -21,7 +21,8 @@ from .config import NOPE, SWA, Geometry
 from .kernels import halves
 from .kernels.common import HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, on_gpu
 from .kernels.interleaved import build_interleaved
-from .kernels.splitk import build_splitk, gpu_split_geometry, splitk_geometry
+from .kernels.splitk import (build_splitk, gpu_split_geometry, gpu_target_workgroups, gpu_workgroups_per_pair,
+                             splitk_geometry)
 from .kernels.step_gpu import ONE_DISPATCH_ARCHS, build_step_kernel
 from .kernels.stores import NEVER_STAMPED, TOKEN_FLAGS, build_stores, build_token_scan, build_unpack
 from .planes import PlaneError, PlaneSet, PlaneState, plane_shape, ring_rows_to_write, visible_span, window_of
@@ -142,7 +143,9 @@ class Engine:
                              "out": (g.n_layers, H, D)}
         self._out = ti.ndarray(ti.f32, self._token_shape["out"])
         self._scan = build_token_scan(H, KV, D)
-        self._token_flags = ti.ndarray(ti.i32, (TOKEN_FLAGS,))
+        # the scan's flags; the one-dispatch step keeps its layer table after them (kernels/step_gpu.py)
+        self._flags_shape = (TOKEN_FLAGS + g.n_layers,)
+        self._token_flags = ti.ndarray(ti.i32, self._flags_shape)
         self._token_flags.fill(0)
         self._scans = 0  # the stamp of the last scan (build_token_scan says why)
         self._q, self._k_cur, self._v_cur = (ti.ndarray(ti.f32, self._token_shape[n]) for n in ("q", "k", "v"))
@@ -155,14 +158,20 @@ class Engine:
         self._groups: dict[tuple[int, ...], _Group] = {}
         self._graphs = GraphReplay()  # GPU: compiled step graphs by dispatch structure
         # CUDA, Vulkan: a step on the default routes is one dispatch (kernels/step_gpu.py)
-        self._step_kernel = self._step_layers = None
+        self._step_kernel = None
         if gpu and backend.active() in ONE_DISPATCH_ARCHS and SWA in self.planes and NOPE in self.planes:
             c = self.cfg
+            # the split's target is fixed here: the kernel computes each class's split from the position
+            target = gpu_target_workgroups()
             self._step_kernel = build_step_kernel(D, G, KV, H, len(c.nope_layers), len(c.swa_layers), c.attention_scale,
-                                                  window_of(c, NOPE), window_of(c, SWA))
-            # the one dispatch's layer table: NoPE layers, then SWA layers (a class's slots are its order)
-            self._step_layers = ti.ndarray(ti.i32, (c.n_layers,))
-            self._step_layers.from_numpy(np.asarray(self.planes[NOPE].layers + self.planes[SWA].layers, np.int32))
+                                                  window_of(c, NOPE), window_of(c, SWA), target)
+            # its layer table, after the flags: NoPE layers, then SWA layers (a class's slots are its order)
+            table = np.zeros(TOKEN_FLAGS + c.n_layers, np.int32)
+            table[TOKEN_FLAGS:] = self.planes[NOPE].layers + self.planes[SWA].layers
+            self._token_flags.from_numpy(table)
+            # and partials for the most workgroups that split can give, made once
+            self._step_partials = [self._partials_for(kind, len(self.planes[kind].layers), gpu_workgroups_per_pair(
+                len(self.planes[kind].layers) * KV, target)) for kind in (NOPE, SWA)]
         self._recorded = None
         self._llama_runners: dict[int, object] = {}  # group size -> ggml graph runner (pinned rung, CPU)
         self._serving = None
@@ -382,7 +391,7 @@ class Engine:
 
     def _refuse_if_flagged(self, q, k, v) -> None:
         """Raise, naming the first bad value, if the last scan (stamp self._scans) flagged the token."""
-        flags = self._transfer.download(self._token_flags, (TOKEN_FLAGS,)) == self._scans
+        flags = self._transfer.download(self._token_flags, self._flags_shape)[:TOKEN_FLAGS] == self._scans
         if flags.any():
             self._check_token(*self._download_token(q, k, v))
             raise EngineError(f"step_device: the device scan flagged the token ({flags.tolist()}) but its host "
@@ -483,12 +492,11 @@ class Engine:
         if gated:
             self._scans += 1
         stamp = self._scans if gated else NEVER_STAMPED
-        args = [self._q_dev, k_dev, v_dev, out_dev, self._token_flags, stamp, p, self._step_layers]
-        for kind in (NOPE, SWA):
-            st = new_states[kind]
-            partials, nwg, nsg = self._producer_split(kind, len(self.planes[kind].layers), p)
-            args += [self._k[kind], self._v[kind], partials, st.capacity, st.origin_logical, st.origin_physical, nwg, nsg]
-        self._launch(self._step_kernel, *args)
+        n, s = new_states[NOPE], new_states[SWA]  # capacities: the planes' own (no plane grows in this step)
+        part_nope, part_swa = self._step_partials
+        self._launch(self._step_kernel, self._q_dev, k_dev, v_dev, out_dev, self._token_flags, stamp, p,
+                     self._k[NOPE], self._v[NOPE], part_nope, n.origin_logical, n.origin_physical,
+                     self._k[SWA], self._v[SWA], part_swa, s.origin_logical, s.origin_physical)
 
     def _launch_routes(self, p, new_states, routes, q, k_dev, v_dev, out, out_dev):
         """Each route's dispatches (the graph route); returns (layers on a pinned route, their host output)."""

@@ -29,6 +29,8 @@
 #   hostalt CUDA steps at 2,048 keys on this tree and $AB_OLD in alternating rounds (HOSTALT_ROUNDS), then
 #          the host's parts (tune_gpu.py stephost)
 #   tileab tile variants (tune), then CUDA layers (CUPTI) per MUSER_GPU_TILE in TILEAB_TILES, alternating rounds
+#   kernelhost after a change to the step kernel's arguments: steps on the default build, then this tree
+#          against $AB_OLD at 2,048 keys in alternating rounds, both with a fast-compiling tile (KH_TILE)
 #   kernelab  after a kernel change: CUDA layers (CUPTI) on $AB_OLD and this tree, twice in alternation,
 #          ncu on one deep layer on both, and the PTX's plane loads on this tree
 # Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for
@@ -294,6 +296,17 @@ if [ "$what" = hostalt ]; then  # AB_OLD as hostab: CUDA steps at 2,048 keys on 
   done
   timeout 60 python3 scripts/tune_gpu.py stephost --arch cuda --depth 2048 --repeats 10 --json "$OUT/stephost-cuda.json" \
     > "$OUT/stephost-cuda.log" 2>&1; echo "== stephost rc=$?"; grep -E '^\{' "$OUT/stephost-cuda.log"
+fi
+if [ "$what" = kernelhost ]; then  # after a change to the step kernel's arguments, AB_OLD as hostab: CUDA steps on this
+  # tree's default build (its first compile takes the long timeout), then this tree against $AB_OLD at 2,048 keys
+  # in HOSTALT_ROUNDS alternating rounds with MUSER_GPU_TILE=${KH_TILE-WU=1}: both trees then compile in seconds,
+  # and the host's share, which the change moves, is the same either way
+  bench new-cuda-steps-default timeout ${KH_FIRST_TIMEOUT:-300} python3 scripts/bench.py --arch cuda --mode steps \
+    --step-depths ${KH_DEPTHS:-2048,131072} --repeats 15 --json "$OUT/new-cuda-steps-default.json"
+  for round in $(seq 1 ${HOSTALT_ROUNDS:-2}); do
+    ab_bench cuda-steps-tile-$round MUSER_GPU_TILE=${KH_TILE-WU=1} timeout 90 python3 scripts/bench.py --arch cuda \
+      --mode steps --step-depths 2048 --repeats 15 --json @JSON@
+  done
 fi
 if [ -n "$pack_out" ]; then  # the device returns at most 8 files: pack the rest into one
   (cd "$OUT" && tar czf /tmp/out.tgz --exclude=out.tgz . && find . -mindepth 1 -delete && mv /tmp/out.tgz .)

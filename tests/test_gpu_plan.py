@@ -175,3 +175,32 @@ def test_kernels_follow_the_tile_that_muser_gpu_tile_names(arch, monkeypatch):
         assert block[0] is not default[0] and block[1] is not default[1]
     else:  # the CPU producer has no tile
         assert block[0] is default[0] and block[1] is default[1]
+
+
+@pytest.mark.parametrize("n_pairs, target, window", [(26, GPU_TARGET_WORKGROUPS, 0), (78, GPU_TARGET_WORKGROUPS, 4096),
+                                                     (2, 528, 0), (1, 2, 300), (2048, 264, 0)])
+def test_split_computed_in_a_kernel_matches_gpu_split_geometry(arch, n_pairs, target, window):
+    """The one-dispatch step computes each class's split from the position (splitk.gpu_split_func):
+    the same (workgroups, simdgroups) as the host's rule, at every depth where either changes."""
+    import taichi as ti
+
+    from muser_ti.kernels.splitk import gpu_split_func
+
+    split = gpu_split_func(n_pairs, target, window)
+    positions = np.unique(np.concatenate([np.arange(0, 4200), np.geomspace(4200, 1 << 20, 400).astype(np.int64),
+                                          np.array([2047, 2048, 8191, 32767, 131071, 131072])]))
+    pos = ti.ndarray(ti.i32, positions.shape)
+    pos.from_numpy(positions.astype(np.int32))
+    got = ti.ndarray(ti.i32, positions.shape + (2,))
+
+    @ti.kernel
+    def evaluate(pos: ti.types.ndarray(dtype=ti.i32, ndim=1), got: ti.types.ndarray(dtype=ti.i32, ndim=2)):
+        for i in range(pos.shape[0]):
+            nwg, nsg = split(pos[i])
+            got[i, 0] = nwg
+            got[i, 1] = nsg
+
+    evaluate(pos, got)
+    visible = positions + 1 if window == 0 else np.minimum(positions + 1, window)
+    want = np.array([gpu_split_geometry(int(n), n_pairs, target) for n in visible])
+    np.testing.assert_array_equal(got.to_numpy(), want)

@@ -51,16 +51,52 @@ GPU_TARGET_WORKGROUPS = 264
 GPU_MAX_WORKGROUPS = 1024
 
 
-def gpu_split_geometry(visible: int, n_pairs: int, target: int | None = None) -> tuple[int, int]:
-    """(n_workgroups, n_simdgroups) on a GPU for ``n_pairs`` (layer, KV head) pairs in one launch.
+def gpu_target_workgroups() -> int:
+    """The split's workgroup target: GPU_TARGET_WORKGROUPS, or MUSER_GPU_TARGET_WORKGROUPS where set
+    (scripts/device_run.sh measures it)."""
+    return int(os.environ.get("MUSER_GPU_TARGET_WORKGROUPS", GPU_TARGET_WORKGROUPS))
 
-    MUSER_GPU_TARGET_WORKGROUPS overrides the target (scripts/device_run.sh measures it)."""
+
+def gpu_workgroups_per_pair(n_pairs: int, target: int) -> int:
+    """The most workgroups a (layer, KV head) pair gets: the target shared out, at least 1 (a partial
+    second wave costs a whole one), at most GPU_MAX_WORKGROUPS."""
+    return min(max(1, target // max(n_pairs, 1)), GPU_MAX_WORKGROUPS)
+
+
+def gpu_split_geometry(visible: int, n_pairs: int, target: int | None = None) -> tuple[int, int]:
+    """(n_workgroups, n_simdgroups) on a GPU for ``n_pairs`` (layer, KV head) pairs in one launch (the
+    target: gpu_target_workgroups() unless given)."""
     if target is None:
-        target = int(os.environ.get("MUSER_GPU_TARGET_WORKGROUPS", GPU_TARGET_WORKGROUPS))
+        target = gpu_target_workgroups()
     _, nsg = splitk_geometry(visible)
     runs = -(-((visible + BLOCK_ROWS - 1) // BLOCK_ROWS) // nsg)  # runs of nsg blocks to share out
-    per_pair = max(1, target // max(n_pairs, 1))  # floor: a partial second wave costs a whole one
-    return max(1, min(runs, per_pair, GPU_MAX_WORKGROUPS)), nsg
+    return max(1, min(runs, gpu_workgroups_per_pair(n_pairs, target))), nsg
+
+
+def gpu_split_func(n_pairs: int, target: int, window: int):
+    """gpu_split_geometry as a ti.func of the position, for a launch whose pairs and target are fixed
+    when it is compiled (the one-dispatch step, step_gpu.py): the same numbers, computed by the threads
+    that need them instead of passed in, since every scalar argument costs the host ~1 us a launch.
+    Straight-line code (no loop), so it adds no task to the kernel; tests/test_gpu_plan.py checks it
+    against gpu_split_geometry."""
+    assert MAX_SIMDGROUPS == 4  # the two doublings below
+    per_pair = gpu_workgroups_per_pair(n_pairs, target)
+
+    @ti.func
+    def split(position):
+        visible = position + 1
+        if ti.static(window > 0):
+            visible = ti.min(position + 1, window)
+        blocks = (visible + BLOCK_ROWS - 1) // BLOCK_ROWS
+        reach = 2 * ti.min(blocks, MAX_DECODE_SPLIT_WORKGROUPS) * BLOCK_ROWS  # splitk_geometry's rule
+        nsg = 1
+        if reach < visible:
+            nsg = 2
+            if 2 * reach < visible:
+                nsg = 4
+        return ti.max(1, ti.min((blocks + nsg - 1) // nsg, per_pair)), nsg
+
+    return split
 
 
 def block_owner(block: int, nwg: int, nsg: int) -> tuple[int, int]:

@@ -28,7 +28,7 @@ merge's gpu_work, the scan's check), so every output bit is the graph route's.  
 
 Where it applies: CUDA and Vulkan, a geometry with both layer classes, each on its default route
 (interleaved, splitk), and a step that grows no plane (the grow copy is not gated).  Every other step
-takes the graph route (Engine._commit_step).  Metal keeps the graph route: this kernel binds 12 arrays
+takes the graph route (Engine._commit_step).  Metal keeps the graph route: this kernel binds 11 arrays
 and could not be compiled or run for Metal on these machines.
 """
 
@@ -39,45 +39,51 @@ from .halves import HALVES_PER_WORD, packed_plane
 from .merge import build_reduce
 from .producer import active_tile_plan, addressing, gpu_work, plan_shared
 from .producer_gpu import udiv, umod
-from .stores import build_token_scan, token_accepted
+from .splitk import gpu_split_func
+from .stores import TOKEN_FLAGS, build_token_scan, token_accepted
 
 ONE_DISPATCH_ARCHS = ("cuda", "vulkan")
 
 
 def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int, n_nope: int, n_swa: int,
-                      scale: float, window_nope: int, window_swa: int):
+                      scale: float, window_nope: int, window_swa: int, target: int):
     """The one-dispatch step for a geometry with n_nope NoPE and n_swa SWA layers (compiled on its first
-    launch, like every Taichi kernel).
+    launch, like every Taichi kernel); ``target``: the split's workgroup target (splitk.py).
 
     What is fixed for an engine is a compile-time constant, because every argument costs the host in
     Taichi's launch, ~2-4 us per array and ~1 us per scalar on the H200 (scripts/arg_cost.py,
     docs/PERF.md run 13), and a non-constant loop bound costs a one-thread task launched ahead of its
-    loop (run 9): the layer counts (constant bounds for the scan, store and reducer tasks), the scale
-    and both windows.  Both classes' layers are one table, NoPE then SWA, and a class's plane slot is
-    its group index (the groups are the whole classes, in order), so no slot tables are bound; this
-    token's plane rows are computed from the plane states.  Only the producers' bound, which moves with
-    the split, stays an argument."""
+    loop (run 9): the layer counts (constant bounds for the scan, store and reducer tasks), the scale,
+    both windows and the split's target.  What follows from those and the position is computed in the
+    kernel, by the threads that use it: both classes' split geometry (splitk.gpu_split_func, what
+    Engine.split_geometry gives) and the planes' capacities (their row dimension).  Both classes' layers
+    are one table, NoPE then SWA, kept in ``flags`` after the scan's TOKEN_FLAGS cells (one array fewer);
+    a class's plane slot is its group index (the groups are the whole classes, in order), so no slot
+    tables are bound; this token's plane rows are computed from the plane states' origins, the only
+    per-token numbers besides the position and the stamp."""
     D, KV, H, L = head_dim, n_kv, n_heads, n_nope + n_swa
+    LT = TOKEN_FLAGS  # where the layer table starts in flags
 
     def build():
-        nope_work, plan = gpu_work(D, heads_per_kv, KV, HEAD_MAJOR, bypass=True, layer_base=0)
-        swa_work, swa_plan = gpu_work(D, heads_per_kv, KV, TOKEN_MAJOR, bypass=False, layer_base=n_nope)
+        nope_work, plan = gpu_work(D, heads_per_kv, KV, HEAD_MAJOR, bypass=True, layer_base=LT)
+        swa_work, swa_plan = gpu_work(D, heads_per_kv, KV, TOKEN_MAJOR, bypass=False, layer_base=LT + n_nope)
         assert swa_plan == plan  # the tile depends on the group shape only: one set of shared arrays serves both
         check = build_token_scan(H, KV, D).check
         reduce_work = build_reduce(D, H, True, ti.f32).gpu_work
         at_nope, at_swa = addressing(HEAD_MAJOR, KV), addressing(TOKEN_MAJOR, KV)
+        split_nope = gpu_split_func(n_nope * KV, target, window_nope)
+        split_swa = gpu_split_func(n_swa * KV, target, window_swa)
         T = plan.T
 
         @ti.kernel
         def step(
-            q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, out: f32_3d, flags: i32_1d, stamp: ti.i32, position: ti.i32,
-            layers: i32_1d,  # the model layer of each NoPE layer, then of each SWA layer
-            # NoPE (interleaved): planes, partials, plane state, split geometry
-            k_nope: packed_plane, v_nope: packed_plane, part_nope: f32_4d,
-            cap_nope: ti.i32, ol_nope: ti.i32, op_nope: ti.i32, nwg_nope: ti.i32, nsg_nope: ti.i32,
-            # SWA (splitk): the same for the ring
-            k_swa: packed_plane, v_swa: packed_plane, part_swa: f32_4d,
-            cap_swa: ti.i32, ol_swa: ti.i32, op_swa: ti.i32, nwg_swa: ti.i32, nsg_swa: ti.i32,
+            q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, out: f32_3d,
+            flags: i32_1d,  # the scan's TOKEN_FLAGS cells, then the model layer of each NoPE, then each SWA layer
+            stamp: ti.i32, position: ti.i32,
+            # NoPE (interleaved): planes [slot, kv head, row, word], partials, the plane's origins
+            k_nope: packed_plane, v_nope: packed_plane, part_nope: f32_4d, ol_nope: ti.i32, op_nope: ti.i32,
+            # SWA (splitk): the same for the ring, [slot, row, kv head, word]
+            k_swa: packed_plane, v_swa: packed_plane, part_swa: f32_4d, ol_swa: ti.i32, op_swa: ti.i32,
         ):
             # 1. the scan: flags[i] = stamp for a bad value (build_token_scan)
             for layer, r, d in ti.ndrange(L, H + 2 * KV, D):
@@ -86,38 +92,40 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int,
             for g, kvh, w in ti.ndrange(L, KV, D // HALVES_PER_WORD):
                 if token_accepted(flags, stamp):
                     if g < n_nope:
-                        row = at_nope.physical_of(position, cap_nope, ol_nope, op_nope)
-                        at_nope.fused_store(k_cur, v_cur, k_nope, v_nope, layers[g], g, kvh, row, w)
+                        row = at_nope.physical_of(position, k_nope.shape[2], ol_nope, op_nope)
+                        at_nope.fused_store(k_cur, v_cur, k_nope, v_nope, flags[LT + g], g, kvh, row, w)
                     else:
-                        row = at_swa.physical_of(position, cap_swa, ol_swa, op_swa)
-                        at_swa.fused_store(k_cur, v_cur, k_swa, v_swa, layers[g], g - n_nope, kvh, row, w)
+                        row = at_swa.physical_of(position, k_swa.shape[1], ol_swa, op_swa)
+                        at_swa.fused_store(k_cur, v_cur, k_swa, v_swa, flags[LT + g], g - n_nope, kvh, row, w)
             # 3. both producers in one task, NoPE work items first (uniform per workgroup), in one set of
             # shared arrays: [M, S, O] per (layer, head, workgroup); they write only the partials (flags
             # stands in for the visit counts, which only record mode writes, and for the unused slot table)
             ti.loop_config(block_dim=T)
-            for t in range((n_nope * nwg_nope + n_swa * nwg_swa) * KV * T):
+            for t in range((n_nope * split_nope(position)[0] + n_swa * split_swa(position)[0]) * KV * T):
                 tid, item = umod(t, T), udiv(t, T)
                 shared = ti.static(plan_shared(plan))  # declared here, in the loop body, once for both
+                nwg_nope, nsg_nope = split_nope(position)
                 if item < n_nope * KV * nwg_nope:
-                    nope_work(tid, item, shared, q, k_cur, v_cur, k_nope, v_nope, part_nope, flags, layers, flags,
-                              position, window_nope, cap_nope, ol_nope, op_nope, nwg_nope, nsg_nope, scale)
+                    nope_work(tid, item, shared, q, k_cur, v_cur, k_nope, v_nope, part_nope, flags, flags, flags,
+                              position, window_nope, k_nope.shape[2], ol_nope, op_nope, nwg_nope, nsg_nope, scale)
                 else:
+                    nwg_swa, nsg_swa = split_swa(position)
                     swa_work(tid, item - n_nope * KV * nwg_nope, shared, q, k_cur, v_cur, k_swa, v_swa, part_swa,
-                             flags, layers, flags, position, window_swa, cap_swa, ol_swa, op_swa, nwg_swa, nsg_swa,
-                             scale)
+                             flags, flags, flags, position, window_swa, k_swa.shape[1], ol_swa, op_swa, nwg_swa,
+                             nsg_swa, scale)
             # 4. both reducers in one task, a thread per (layer, head, dim), NoPE layers first: out, if the scan
             # passed the token.  (Two reducer tasks in one kernel failed Taichi 1.7.4's SPIR-V codegen with
             # "Value tmpN does not yet exist" while the reducer had shared arrays.)
             for t in range(L * H * D):
                 if t < n_nope * H * D:
-                    reduce_work(t, part_nope, out, layers, nwg_nope, token_accepted(flags, stamp), 0)
+                    reduce_work(t, part_nope, out, flags, split_nope(position)[0], token_accepted(flags, stamp), LT)
                 else:
-                    reduce_work(t - n_nope * H * D, part_swa, out, layers, nwg_swa, token_accepted(flags, stamp),
-                                n_nope)
+                    reduce_work(t - n_nope * H * D, part_swa, out, flags, split_swa(position)[0],
+                                token_accepted(flags, stamp), LT + n_nope)
 
         return step
 
-    return cached(("one_dispatch_step", D, heads_per_kv, KV, H, n_nope, n_swa, scale, window_nope, window_swa,
+    return cached(("one_dispatch_step", D, heads_per_kv, KV, H, n_nope, n_swa, scale, window_nope, window_swa, target,
                    active_tile_plan(D, heads_per_kv)), build)
 
 
