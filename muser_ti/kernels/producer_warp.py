@@ -52,7 +52,11 @@ HEADS_PER_LANE = 4  # a lane's heads: hg, hg + HGL, ... (one 128-bit load of que
 ROWS_PER_LANE = 4  # a lane's score rows: rg, rg + RGL, ...
 MAX_ACCUMULATORS = 64  # 4 heads x VD dims per lane: 4 x 16 for Glimmer.  With the scores and a chunk in
 #                       flight ptxas takes 254-255 of the 255 registers (no spills at WU = 1 or 8, 8 bytes at 2
-#                       and 4; docs/PERF.md run 14), so 2 workgroups an SM: 8 warps, as the block tile
+#                       and 4; docs/PERF.md run 14), so 2 workgroups an SM: 8 warps, as the block tile.
+#                       Fewer accumulators do not buy occupancy: splitting a KV head's 16 heads over 2
+#                       workgroups (32 accumulators) still took 254 registers, ptxas spending the rest of
+#                       Taichi's cap on the unroll, and with each row staged twice the producer ran 138.5
+#                       against 106.1 us at 131,072 keys (run 17; with the cap forced to 168 it spilled)
 CHUNK_HALVES = 1024  # per warp and chunk: 16 words per lane in flight; K chunk RW x DC, V chunk VR x D
 PAD = 4  # floats after each K chunk row and query row: rows a warp reads together fall in distinct banks
 FULL_MASK = 0xFFFFFFFF
