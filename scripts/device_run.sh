@@ -156,7 +156,7 @@ import json, sys
 for l in sys.stdin:
     r = json.loads(l)
     print("  %-22s %7d dev %8.1f us wall %8.1f us err %.1e same-bits %s compile %ss %s" % (r["variant"], r["depth"],
-          r.get("device_us", 0), r.get("wall_us", 0), r.get("rel_err", -1), r.get("bits_as_default"), r.get("first_launch_s"), r.get("error", ""))))'
+          r.get("device_us", 0), r.get("wall_us", 0), r.get("rel_err", -1), r.get("bits_as_default"), r.get("first_launch_s"), r.get("error", "")))'
   ptx_report
 fi
 if [ "$what" = hoststep ]; then  # where a step's wall time goes, CUDA and Vulkan; Vulkan tile variants by wall time

@@ -37,7 +37,7 @@ import taichi as ti
 from .common import HEAD_MAJOR, TOKEN_MAJOR, cached, f32_3d, f32_4d, i32_1d
 from .halves import HALVES_PER_WORD, packed_plane
 from .merge import build_reduce
-from .producer import active_tile_plan, addressing, gpu_work, plan_shared
+from .producer import addressing, gpu_work, plan_key, plan_shared
 from .producer_gpu import udiv, umod
 from .splitk import gpu_split_func
 from .stores import TOKEN_FLAGS, build_token_scan, token_accepted
@@ -126,7 +126,7 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int,
         return step
 
     return cached(("one_dispatch_step", D, heads_per_kv, KV, H, n_nope, n_swa, scale, window_nope, window_swa, target,
-                   active_tile_plan(D, heads_per_kv)), build)
+                   plan_key(D, heads_per_kv, True)), build)
 
 
 __all__ = ["ONE_DISPATCH_ARCHS", "build_step_kernel"]
