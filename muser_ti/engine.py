@@ -105,7 +105,7 @@ class Engine:
         self.graph = graph
         self._forced = self._parse_force(force)
         self._layer_kinds = cfg.layer_kinds
-        self._routes_by_mix: dict[tuple[str, ...], list[str]] = {}  # unforced steps: each class's route -> routes
+        self._routes_by_mix: dict[tuple[str, ...], tuple[str, ...]] = {}  # unforced: each class's route -> routes
 
         g = cfg
         self.planes: dict[str, PlaneSet] = {}
@@ -182,7 +182,11 @@ class Engine:
         self.position = 0
         self.launches_last_step = 0  # kernel launches the last step made (does not grow with layer count)
         self.routes: list[str | None] = [None] * g.n_layers
-        self.route_counts: Counter = Counter()
+        # route_counts, kept as accepted steps per route mix (the whole model's routes, a tuple): a step adds 1
+        # to one count instead of 52 (Counter.update of a 52-layer list took 4.9 us of Python a token, ~2 % of
+        # a 2,048-key step on the H200); the per-route sums are made when route_counts is read
+        self._steps_by_mix: dict[tuple[str, ...], int] = {}
+        self._restored_counts: Counter = Counter()  # counts a snapshot brought in (route_counts' setter)
 
     # ---- construction helpers ------------------------------------------------------------------
     def _parse_force(self, force) -> dict[int, str]:
@@ -320,8 +324,8 @@ class Engine:
         """Attend one token: q [n_layers, n_heads, head_dim], k/v [n_layers, n_kv_heads, head_dim] -> like q."""
         self._check_alive()
         q, k, v = self._check_token(q, k, v)
-        p, new_states, routes = self._plan_step()
-        return self._commit_step(p, new_states, routes, q, k, v)
+        p, new_states, routes, mix = self._plan_step()
+        return self._commit_step(p, new_states, routes, mix, q, k, v)
 
     def step_device(self, q, k, v, out):
         """Attend one token with the activations on the device: q, k, v and out are Taichi float32
@@ -340,22 +344,37 @@ class Engine:
                        else type(a).__name__)
                 raise EngineError(f"step_device {name}: expected a Taichi float32 ndarray of shape {shape}, got {got}")
         try:
-            p, new_states, routes = self._plan_step()
+            p, new_states, routes, mix = self._plan_step()
         except EngineError:
             self._scan_device_token(q, k, v)  # a bad token is named before a full cache, as step() names it
             raise
         if self._one_dispatch_fits(new_states, routes):
             # the scan is the step's first task and gates its writes; the flags are read after it
-            self._commit_step(p, new_states, routes, None, None, None, device=(q, k, v, out), gated=True)
+            self._commit_step(p, new_states, routes, mix, None, None, None, device=(q, k, v, out), gated=True)
             return out
         self._scan_device_token(q, k, v)
         if self.mirror is not None or any(r in ladder.PINNED_ROUTES for r in routes):
-            host = self._commit_step(p, new_states, routes, *self._download_token(q, k, v))
+            host = self._commit_step(p, new_states, routes, mix, *self._download_token(q, k, v))
             self._transfer.upload(out, host)
         else:
-            self._commit_step(p, new_states, routes, None, None, None, device=(q, k, v, out))
+            self._commit_step(p, new_states, routes, mix, None, None, None, device=(q, k, v, out))
         self.launches_last_step += 1  # the scan
         return out
+
+    @property
+    def route_counts(self) -> Counter:
+        """Layer-steps per route over every accepted token (restored with a snapshot); a new Counter on
+        every read."""
+        counts = Counter(self._restored_counts)
+        for mix, steps in self._steps_by_mix.items():
+            for route, layers in Counter(mix).items():
+                counts[route] += layers * steps
+        return counts
+
+    @route_counts.setter
+    def route_counts(self, counts) -> None:
+        self._restored_counts = Counter(counts)
+        self._steps_by_mix = {}
 
     @property
     def one_dispatch_step(self) -> bool:
@@ -401,7 +420,8 @@ class Engine:
         return tuple(self._transfer.download(a, self._token_shape[name]) for name, a in (("q", q), ("k", k), ("v", v)))
 
     def _plan_step(self):
-        """(position, plane states after the append, route per layer), or raise with nothing written."""
+        """(position, plane states after the append, route per layer, the routes as a tuple: route_counts'
+        key), or raise with nothing written."""
         g = self.cfg
         p = self.position
         if p >= g.max_context:
@@ -419,20 +439,21 @@ class Engine:
                       ladder.select(kind, new_states[kind], self.pinned_loaded, strict, self._forced[layer], layer)
                       for layer, kind in enumerate(self._layer_kinds)]
             used = set(routes)
-        else:  # every layer takes its class's route: one list per route mix, copied (users may edit .routes)
+            mix = tuple(routes)
+        else:  # every layer takes its class's route: one tuple per route mix, listed anew (users may edit .routes)
             used = tuple(chosen.values())
-            routes = self._routes_by_mix.get(used)
-            if routes is None:
-                routes = self._routes_by_mix[used] = [chosen[kind] for kind in self._layer_kinds]
-            routes = routes.copy()
+            mix = self._routes_by_mix.get(used)
+            if mix is None:
+                mix = self._routes_by_mix[used] = tuple(chosen[kind] for kind in self._layer_kinds)
+            routes = list(mix)
         pinned = sorted({r for r in used if r in ladder.PINNED_ROUTES})
         if pinned and not self.pinned_loaded:
             raise PinnedUnavailable(
                 f"the ladder chose {pinned} ({ladder.STRICT_ENV} set or pinned forced) but the pinned library is not "
                 f"loaded: {self.pinned_description}")
-        return p, new_states, routes
+        return p, new_states, routes, mix
 
-    def _commit_step(self, p, new_states, routes, q, k, v, device=None, gated=False):
+    def _commit_step(self, p, new_states, routes, mix, q, k, v, device=None, gated=False):
         """Write and attend the accepted token.  q, k, v: checked host arrays; or device = (q, k, v, out)
         ndarrays, with out receiving the result (then nothing is returned), checked on the device already or,
         with ``gated``, by the one-dispatch step's first task: then its flags are read after the step and a
@@ -476,7 +497,7 @@ class Engine:
             self._set_state(kind, st)
         self.position = p + 1
         self.routes = routes
-        self.route_counts.update(routes)
+        self._steps_by_mix[mix] = self._steps_by_mix.get(mix, 0) + 1
         if device is not None:
             return None
         if out is None:

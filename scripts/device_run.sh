@@ -31,6 +31,8 @@
 #   tileab tile variants (tune), then CUDA layers (CUPTI) per MUSER_GPU_TILE in TILEAB_TILES, alternating rounds
 #   kernelhost after a change to the step kernel's arguments: steps on the default build, then this tree
 #          against $AB_OLD at 2,048 keys in alternating rounds, both with a fast-compiling tile (KH_TILE)
+#   spread CUDA steps on the default build in SPREAD_ROUNDS processes (the first at 2,048 and 131,072 keys, with
+#          time to compile; the rest at 2,048 keys), so a figure is seen across processes and hosts' speeds
 #   kernelab  after a kernel change: CUDA layers (CUPTI) on $AB_OLD and this tree, twice in alternation,
 #          ncu on one deep layer on both, and the PTX's plane loads on this tree
 # Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for
@@ -306,6 +308,15 @@ if [ "$what" = kernelhost ]; then  # after a change to the step kernel's argumen
   for round in $(seq 1 ${HOSTALT_ROUNDS:-2}); do
     ab_bench cuda-steps-tile-$round MUSER_GPU_TILE=${KH_TILE-WU=1} timeout 90 python3 scripts/bench.py --arch cuda \
       --mode steps --step-depths 2048 --repeats 15 --json @JSON@
+  done
+fi
+if [ "$what" = spread ]; then  # the step across processes: the host's speed moves between them (torch's 52 calls
+  # took 1.05-1.75 ms in runs 16-17), so one process's median is not the figure
+  bench spread-cuda-steps-1 timeout ${SPREAD_FIRST_TIMEOUT:-330} python3 scripts/bench.py --arch cuda --mode steps \
+    --step-depths 2048,131072 --repeats 15 --json "$OUT/spread-cuda-steps-1.json"
+  for round in $(seq 2 ${SPREAD_ROUNDS:-4}); do
+    bench spread-cuda-steps-$round timeout 80 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048 \
+      --repeats 15 --json "$OUT/spread-cuda-steps-$round.json"
   done
 fi
 if [ -n "$pack_out" ]; then  # the device returns at most 8 files: pack the rest into one

@@ -1,5 +1,7 @@
 """Engine behaviour: rewind exactness, the current-token bypass, launch counts, refused input, modes."""
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import taichi as ti
@@ -176,3 +178,28 @@ def test_pinned_modes_without_the_library(arch, monkeypatch):
     monkeypatch.delenv(ladder.STRICT_ENV)
     s.step()
     assert eng.route_counts == {"splitk": 6, "interleaved": 2}
+
+
+@pytest.mark.parametrize("force", [None, {0: ladder.SPLITK}], ids=["ladder", "forced"])
+def test_route_counts_sum_the_routes_of_every_accepted_step(arch, force):
+    """route_counts is kept per route mix and summed when read: it must equal the per-layer tally of
+    every accepted step's routes, skip a refused token, survive assignment (snapshot restore) and not
+    be changed by editing what a read returned."""
+    cfg = geometry(window=16)
+    s = Session(mt.Engine(cfg, arch=arch, force=force), seed=12)
+    expected = Counter()
+    for _ in range(20):  # the SWA ring wraps at 16: the ladder sees full and wrapped planes
+        s.step()
+        expected.update(s.eng.routes)
+    assert s.eng.route_counts == expected and sum(expected.values()) == 20 * cfg.n_layers
+    q, k, v = s.token()
+    k[0, 0, 0] = np.nan
+    with pytest.raises(EngineError):
+        s.eng.step(q, k, v)
+    assert s.eng.route_counts == expected
+    read = s.eng.route_counts
+    read[ladder.SPLITK] += 1000
+    assert s.eng.route_counts == expected
+    s.eng.route_counts = {ladder.SPLITK: 3}
+    s.step()
+    assert s.eng.route_counts == Counter({ladder.SPLITK: 3}) + Counter(s.eng.routes)
