@@ -57,7 +57,11 @@ MAX_ACCUMULATORS = 64  # 4 heads x VD dims per lane: 4 x 16 for Glimmer.  With t
 #                       workgroups (32 accumulators) still took 254 registers, ptxas spending the rest of
 #                       Taichi's cap on the unroll, and with each row staged twice the producer ran 138.5
 #                       against 106.1 us at 131,072 keys (run 17; with the cap forced to 168 it spilled)
-CHUNK_HALVES = 1024  # per warp and chunk: 16 words per lane in flight; K chunk RW x DC, V chunk VR x D
+CHUNK_HALVES = 1024  # per warp and chunk: 16 words per lane in flight; K chunk RW x DC, V chunk VR x D.
+#                     A tile's first V chunk and the next tile's first K chunk are loaded only when their phase
+#                     starts (two exposed latencies a tile).  Loading each under the other phase's last chunk
+#                     kept the next rows' buffer, a flag and a branch live across the K loop: 255 registers, 136 B
+#                     of stack, 8 B spilled, 117.6 against 106 us at 131,072 keys (run 18, patch kept there)
 PAD = 4  # floats after each K chunk row and query row: rows a warp reads together fall in distinct banks
 FULL_MASK = 0xFFFFFFFF
 UNROLL = {"cuda": 8}  # WU, by arch (1 elsewhere): steps of the score loop (4 dims) and of the value loop (a row)
