@@ -23,6 +23,7 @@
 #          registers (tune), CUDA layers (CUPTI) in alternation, ncu on one deep layer of each
 #   check  the suite on CUDA, stopping at the first failure (CHECK_TESTS, CHECK_TIMEOUT; MUSER_GPU_TILE=WU=1
 #          there unless CHECK_TILE says otherwise: the warp tile's unrolled CUDA build compiles ~50 s a producer)
+#   layers CUDA layers (CUPTI) at LAYER_DEPTHS on LAYER_ROUTES
 #   deep   CUDA layers (CUPTI) and CUDA steps at the issue's depths, with short timeouts
 #   pyhost after a host-side change: CUDA steps at 2,048 and 131,072 keys on this tree, at 2,048 on $AB_OLD,
 #          at 2,048 on this tree again, then the host's parts (tune_gpu.py stephost)
@@ -33,6 +34,7 @@
 #          against $AB_OLD at 2,048 keys in alternating rounds, both with a fast-compiling tile (KH_TILE)
 #   spread CUDA steps on the default build in SPREAD_ROUNDS processes (the first at 2,048 and 131,072 keys, with
 #          time to compile; the rest at 2,048 keys), so a figure is seen across processes and hosts' speeds
+#   storeab  stall profiles (ncu) of the default tile and of STOREAB_TILE, tile variants (tune) between them
 #   kernelab  after a kernel change: CUDA layers (CUPTI) on $AB_OLD and this tree, twice in alternation,
 #          ncu on one deep layer on both, and the PTX's plane loads on this tree
 # Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for
@@ -173,10 +175,14 @@ fi
 if [ "$what" = ncu ]; then  # ncu's counters on one deep NoPE layer's producer
   ncu_layer producer
 fi
-if [ "$what" = stalls ]; then  # why warps wait: ncu's stall reasons and the SASS lines they sample most
+SHARED_METRICS=l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum
+SHARED_METRICS+=,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum
+if [ "$what" = stalls ]; then  # why warps wait: ncu's stall reasons, the shared pipe's wavefronts, and the SASS lines
+  # they sample most (MUSER_GPU_TILE picks the tile)
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   timeout 200 "$ncu" --clock-control none -k regex:producer --launch-skip 3 --launch-count 1 --import-source no \
-    --section WarpStateStats --section SourceCounters --section LaunchStats -f -o "$OUT/stalls" python3 scripts/bench.py \
+    --section WarpStateStats --section SourceCounters --section LaunchStats --metrics "$SHARED_METRICS" \
+    -f -o "$OUT/stalls" python3 scripts/bench.py \
     --arch cuda --mode layers --layer-depths 131072 --routes interleaved --repeats 2 > "$OUT/stalls.log" 2>&1
   echo "== ncu stalls rc=$?"
   "$ncu" -i "$OUT/stalls.ncu-rep" --page raw --csv > "$OUT/stalls-raw.csv" 2>&1
@@ -228,7 +234,7 @@ fi
 if [ "$what" = kernelab ]; then  # AB_OLD=build/ab_old, as hostab
   for round in 1 2; do
     ab_bench cuda-layers-$round timeout 120 python3 scripts/bench.py --arch cuda --mode layers \
-      --layer-depths ${AB_DEPTHS:-2048,32768,131072} --routes interleaved,splitk --repeats 15 --json @JSON@
+      --layer-depths ${AB_DEPTHS:-2048,32768,131072} --routes ${AB_ROUTES:-interleaved,splitk} --repeats 15 --json @JSON@
   done
   ncu_layer old "$AB_OLD"
   ncu_layer new
@@ -269,6 +275,11 @@ fi
 if [ "$what" = check ]; then
   MUSER_GPU_TILE=${CHECK_TILE-WU=1} timeout ${CHECK_TIMEOUT:-200} python3 -m pytest -x -q -p no:cacheprovider --arch cuda \
     ${CHECK_TESTS:-tests/} 2>&1 | tee "$OUT/check.log" | grep -v "^\s*$" | tail -40
+fi
+if [ "$what" = layers ]; then  # CUDA layers alone (CUPTI, torch in the same process)
+  bench cuda-layers timeout ${LAYERS_TIMEOUT:-150} python3 scripts/bench.py --arch cuda --mode layers \
+    --layer-depths ${LAYER_DEPTHS:-2048,32768,131072} --routes ${LAYER_ROUTES:-interleaved} --repeats 15 \
+    --json "$OUT/cuda-layers.json"
 fi
 if [ "$what" = deep ]; then
   bench cuda-layers timeout ${DEEP_LAYERS_TIMEOUT:-150} python3 scripts/bench.py --arch cuda --mode layers \
@@ -317,6 +328,14 @@ if [ "$what" = spread ]; then  # the step across processes: the host's speed mov
   for round in $(seq 2 ${SPREAD_ROUNDS:-4}); do
     bench spread-cuda-steps-$round timeout 80 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048 \
       --repeats 15 --json "$OUT/spread-cuda-steps-$round.json"
+  done
+fi
+if [ "$what" = storeab ]; then  # the default tile's stall profile, tile variants in one process (tune, STOREAB_VARIANTS),
+  # then the stall profile of STOREAB_TILE: after a change to how the producer uses shared memory
+  for tile in "" "${STOREAB_TILE:-SS=1,WS=1}"; do
+    d=$OUT/stalls-$(echo "${tile:-default}" | tr '=,' '__'); mkdir -p "$d"
+    MUSER_GPU_TILE=$tile OUT=$d bash "$0" stalls
+    [ -n "$tile" ] || TUNE_VARIANTS=${STOREAB_VARIANTS:-";SS=1;SS=1,WS=1"} TUNE_DEPTHS=${TUNE_DEPTHS:-32768,131072} bash "$0" tune
   done
 fi
 if [ -n "$pack_out" ]; then  # the device returns at most 8 files: pack the rest into one

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Summarise an ncu report of one producer launch (scripts/device_run.sh stalls):
 
-    python scripts/stall_report.py stalls-raw.csv stalls-sass.csv
+    python scripts/stall_report.py stalls-raw.csv stalls-sass.csv [0x800]
 
 From the raw page: every stall reason's share of the cycles between a warp's instructions.  From the
 SASS page: the instructions with the most stall samples, with their opcode totals, so the time spent
-in the chunk staging, the score loop, the value loop and the barriers can be read off the code.
+in the chunk staging, the score loop, the value loop and the barriers can be read off the code.  With a
+third argument (a byte span such as 0x800): the stall samples and executed instructions of each span of
+the kernel's code, with its commonest opcodes, so a region that waits more than it issues stands out.
 """
 
 import csv
@@ -40,6 +42,12 @@ def stall_reasons(path) -> None:
     for _, value, name in sorted(found, reverse=True)[:40]:
         if value > 0:
             print(f"  {value:9.3f}  {name}")
+    shared = [(name, value) for name, value in zip(names, values)
+              if "mem_shared" in name and ("wavefronts" in name or "bank_conflicts" in name)]
+    if shared:  # device_run.sh stalls asks for these: the L1/shared pipe's work, loads and stores apart
+        print("shared memory (wavefronts, bank conflicts):")
+        for name, value in shared:
+            print(f"  {_number(value):14.0f}  {name}")
 
 
 def sass_lines(path, top: int = 30) -> None:
@@ -55,12 +63,15 @@ def sass_lines(path, top: int = 30) -> None:
     reasons = [(h, i) for i, h in enumerate(head) if h.startswith("stall_") and "Not Issued" not in h]
     total = sum(_number(r[samples]) for r in body) or 1.0
     issued = sum(_number(r[executed]) for r in body) or 1.0
-    by_reason, by_op, ran = Counter(), Counter(), Counter()
+    by_reason, by_op, ran, widths = Counter(), Counter(), Counter(), Counter()
     for r in body:
         text = r[src].strip()
-        op = (text.split()[1] if text.startswith("@") else text.split()[0]).split(".")[0] if text else "?"
+        full = (text.split()[1] if text.startswith("@") else text.split()[0]) if text else "?"
+        op = full.split(".")[0]
         by_op[op] += _number(r[samples])
         ran[op] += _number(r[executed])
+        if op in ("LDS", "STS", "LD", "ST", "LDG", "STG"):
+            widths[full] += _number(r[executed])
         for h, i in reasons:
             by_reason[h] += _number(r[i])
     print(f"stall samples by reason (of {total:.0f}):")
@@ -69,12 +80,45 @@ def sass_lines(path, top: int = 30) -> None:
     print(f"opcodes: share of the {issued:.0f} warp instructions executed, and of the stall samples:")
     for op, n in ran.most_common(16):
         print(f"  {op:10s} {100 * n / issued:5.1f} %  {100 * by_op[op] / total:5.1f} %")
+    print("memory instructions by width (warp instructions executed):")
+    for op, n in sorted(widths.items()):
+        print(f"  {op:16s} {n:12.0f}")
     first = int(body[0][addr], 16)
     print(f"top {top} instructions by stall samples (offset from the kernel's first instruction):")
     for r in sorted(body, key=lambda r: -_number(r[samples]))[:top]:
         print(f"  {100 * _number(r[samples]) / total:6.2f} %  {int(r[addr], 16) - first:#07x}  {r[src].strip()}")
 
 
+def regions(path, span: int) -> None:
+    table = rows(path)
+    head_at = next(i for i, r in enumerate(table) if "Source" in r)
+    head, body = table[head_at], table[head_at + 1:]
+    src, addr = head.index("Source"), head.index("Address")
+    samples = next(i for i, h in enumerate(head) if h.startswith("Warp Stall Sampling (All"))
+    executed = head.index("Instructions Executed")
+    first = int(body[0][addr], 16)
+    spans: dict[int, list] = {}
+    for r in body:
+        cell = spans.setdefault((int(r[addr], 16) - first) // span, [0.0, 0.0, Counter()])
+        cell[0] += _number(r[samples])
+        cell[1] += _number(r[executed])
+        text = r[src].strip()
+        cell[2][((text.split()[1] if text.startswith("@") else text.split()[0]) if text else "?").split(".")[0]] += \
+            _number(r[executed])
+    total = sum(c[0] for c in spans.values()) or 1.0
+    issued = sum(c[1] for c in spans.values()) or 1.0
+    print(f"code spans of {span:#x} bytes: share of the stall samples, of the executed instructions, their ratio")
+    for k in sorted(spans):
+        s_, e, ops = spans[k]
+        if s_ / total < 0.003 and e / issued < 0.003:
+            continue
+        mix = " ".join(f"{op}:{100 * n / e:.0f}" for op, n in ops.most_common(5)) if e else ""
+        print(f"  {k * span:#07x}  samples {100 * s_ / total:5.1f} %  instructions {100 * e / issued:5.1f} %  "
+              f"ratio {s_ / total / max(e / issued, 1e-9):5.2f}  {mix}")
+
+
 if __name__ == "__main__":
     stall_reasons(sys.argv[1])
     sass_lines(sys.argv[2])
+    if len(sys.argv) > 3:
+        regions(sys.argv[2], int(sys.argv[3], 0))

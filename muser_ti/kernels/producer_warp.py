@@ -62,7 +62,12 @@ CHUNK_HALVES = 1024  # per warp and chunk: 16 words per lane in flight; K chunk 
 #                     starts (two exposed latencies a tile).  Loading each under the other phase's last chunk
 #                     kept the next rows' buffer, a flag and a branch live across the K loop: 255 registers, 136 B
 #                     of stack, 8 B spilled, 117.6 against 106 us at 131,072 keys (run 18, patch kept there)
-PAD = 4  # floats after each K chunk row and query row: rows a warp reads together fall in distinct banks
+PAD = 4  # floats after each K chunk row and query row: rows a warp reads together fall in distinct banks.
+#         A staged word's two halves go out as one STS.64 (ptxas pairs the stores; ncu on one NoPE layer at
+#         131,072 keys, docs/PERF.md run 19: 1.05 M STS.64, shared stores 2.9 M wavefronts against 10.6 M for
+#         loads, the pipe ~49 % busy).  Staggering lanes 16-31 into 32-bit stores of the high half first, and
+#         writing a row's 4 weights side by side, each took registers the cap does not have: 255 and 108 / 228 B
+#         spilled, 170.8 / 176.4 against 152.8 us under the profiler (run 19, patch kept there)
 FULL_MASK = 0xFFFFFFFF
 UNROLL = {"cuda": 8}  # WU, by arch (1 elsewhere): steps of the score loop (4 dims) and of the value loop (a row)
 #                      unrolled in the kernel source;
