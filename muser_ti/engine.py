@@ -21,8 +21,8 @@ from .config import NOPE, SWA, Geometry
 from .kernels import halves
 from .kernels.common import HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, on_gpu
 from .kernels.interleaved import build_interleaved
-from .kernels.splitk import (build_splitk, gpu_split_geometry, gpu_target_workgroups, gpu_workgroups_per_pair,
-                             splitk_geometry)
+from .kernels.splitk import (build_splitk, gpu_items_cap, gpu_split_geometry, gpu_target_workgroups,
+                             gpu_workgroups_per_pair, splitk_geometry)
 from .kernels.step_gpu import ONE_DISPATCH_ARCHS, build_step_kernel
 from .kernels.stores import NEVER_STAMPED, TOKEN_FLAGS, build_stores, build_token_scan, build_unpack
 from .planes import PlaneError, PlaneSet, PlaneState, plane_shape, ring_rows_to_write, visible_span, window_of
@@ -131,8 +131,11 @@ class Engine:
 
         gpu = on_gpu()
         D, G, KV, H = g.head_dim, g.heads_per_kv, g.n_kv_heads, g.n_heads
-        self._splitk, self._reduce_f32, _ = build_splitk(D, G, KV, H, gpu)
-        self._interleaved, self._reduce_v2 = build_interleaved(D, G, KV, H, gpu)
+        # the split's workgroup target, fixed for the engine: its producers' loop bound follows from it
+        self._gpu_target = gpu_target_workgroups() if gpu else 0
+        self._items_cap = gpu_items_cap(self._gpu_target, g.n_layers * KV) if gpu else 0
+        self._splitk, self._reduce_f32, _ = build_splitk(D, G, KV, H, gpu, items_cap=self._items_cap)
+        self._interleaved, self._reduce_v2 = build_interleaved(D, G, KV, H, gpu, items_cap=self._items_cap)
         self._stores = {kind: build_stores(D, KV, LAYOUT_OF[kind]) for kind in self.planes}
         self._gpu = gpu
         # (class, group size) -> [n_group, H, workgroups, 2 + D] scratch: one per class, as the one-dispatch
@@ -161,8 +164,8 @@ class Engine:
         self._step_kernel = None
         if gpu and backend.active() in ONE_DISPATCH_ARCHS and SWA in self.planes and NOPE in self.planes:
             c = self.cfg
-            # the split's target is fixed here: the kernel computes each class's split from the position
-            target = gpu_target_workgroups()
+            # the kernel computes each class's split from the position and the engine's target
+            target = self._gpu_target
             self._step_kernel = build_step_kernel(D, G, KV, H, len(c.nope_layers), len(c.swa_layers), c.attention_scale,
                                                   window_of(c, NOPE), window_of(c, SWA), target)
             # its layer table, after the flags: NoPE layers, then SWA layers (a class's slots are its order)
@@ -672,7 +675,7 @@ class Engine:
         """(workgroups, simdgroups) of a producer launch: the chapter's rule on the CPU; on a GPU the same
         ownership with more workgroups so one launch fills the card (kernels/splitk.py says why)."""
         if self._gpu:
-            return gpu_split_geometry(visible, n_group * self.cfg.n_kv_heads)
+            return gpu_split_geometry(visible, n_group * self.cfg.n_kv_heads, self._gpu_target)
         return splitk_geometry(visible)
 
     def _producer_launch(self, kind: str, layers, p: int):
@@ -683,6 +686,7 @@ class Engine:
         """(partials scratch, workgroups, simdgroups) of a producer launch over n_layers of a class at ``p``."""
         _, visible = visible_span(self.cfg, kind, p)
         nwg, nsg = self.split_geometry(visible, n_layers)
+        assert not self._gpu or n_layers * self.cfg.n_kv_heads * nwg <= self._items_cap  # the producers' bound
         return self._partials_for(kind, n_layers, nwg), nwg, nsg
 
     def _run_producer(self, producer, reduce, kind, layers, st: PlaneState, p, k_dev, v_dev, out_dev):

@@ -65,6 +65,7 @@ from cupti import profile_calls, summarize_trace  # noqa: E402
 from muser_ti.kernels.common import HEAD_MAJOR  # noqa: E402
 from muser_ti.kernels.producer import addressing, build_gpu_producer, tile_plan  # noqa: E402
 from muser_ti.kernels.producer_gpu import SHARED_BUDGET_BYTES, tile_overrides  # noqa: E402
+from muser_ti.kernels.splitk import gpu_items_cap, gpu_target_workgroups  # noqa: E402
 from muser_ti.reference import relative_error  # noqa: E402
 from muser_ti.replay import graph_arg  # noqa: E402
 from muser_ti.tolerances import F32_ROUTE_RTOL  # noqa: E402
@@ -102,16 +103,19 @@ def tiles(args, rows) -> None:
                 os.environ["MUSER_GPU_TARGET_WORKGROUPS"] = target[0]
             else:
                 os.environ.pop("MUSER_GPU_TARGET_WORKGROUPS", None)
+            eng._gpu_target = gpu_target_workgroups()  # an engine keeps the target it was made with
+            eng._items_cap = gpu_items_cap(eng._gpu_target, cfg.n_layers * cfg.n_kv_heads)
             try:
                 plan = tile_plan(cfg.heads_per_kv, cfg.head_dim, budget, **tile_overrides(tile))
             except ValueError as exc:
                 emit({**row, "error": str(exc)}, rows)
                 continue
             row["plan"] = {"kind": type(plan).__name__, **dataclasses.asdict(plan)}
-            if plan not in producers:
-                producers[plan] = build_gpu_producer(plan, cfg.n_kv_heads, bypass=True, record=False,
-                                                     at=addressing(HEAD_MAJOR, cfg.n_kv_heads))
-            producer = producers[plan]
+            if (plan, eng._items_cap) not in producers:
+                producers[plan, eng._items_cap] = build_gpu_producer(
+                    plan, cfg.n_kv_heads, bypass=True, record=False, at=addressing(HEAD_MAJOR, cfg.n_kv_heads),
+                    items_cap=eng._items_cap)
+            producer = producers[plan, eng._items_cap]
 
             def launch():
                 eng._run_producer(producer, eng._reduce_v2, "nope", layers, st, p, eng._k_cur, eng._v_cur, eng._out)

@@ -7,7 +7,8 @@ from muser_ti.kernels.producer_gpu import (GPU_PRODUCER_THREADS, SHARED_BUDGET_B
                                            udiv, umod)
 from muser_ti.kernels.producer import tile_plan
 from muser_ti.kernels.producer_warp import CHUNK_HALVES, WARPS, warp_tile_plan
-from muser_ti.kernels.splitk import GPU_MAX_WORKGROUPS, GPU_TARGET_WORKGROUPS, gpu_split_geometry, splitk_geometry
+from muser_ti.kernels.splitk import (GPU_MAX_WORKGROUPS, GPU_TARGET_WORKGROUPS, gpu_items_cap, gpu_split_geometry,
+                                    gpu_workgroups_per_pair, splitk_geometry)
 
 GROUPS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64, 128]
 HEAD_DIMS = [64, 128, 256]
@@ -107,6 +108,22 @@ def test_gpu_split_is_one_wave_and_keeps_the_chapters_nsg(visible, n_pairs):
     assert nwg * n_pairs <= max(GPU_TARGET_WORKGROUPS, n_pairs)
     if runs * n_pairs >= 2 * GPU_TARGET_WORKGROUPS:  # enough work: the wave is at least half full
         assert nwg * n_pairs * 2 >= GPU_TARGET_WORKGROUPS
+
+
+@pytest.mark.parametrize("target", [1, 2, 7, GPU_TARGET_WORKGROUPS, 2112])
+@pytest.mark.parametrize("n_pairs", [1, 2, 26, 78, 104, 300])
+def test_producer_bound_holds_every_split_a_launch_can_get(target, n_pairs):
+    """A GPU producer's loop bound is gpu_items_cap(target, the engine's pairs), compiled in: every launch's
+    pairs x workgroups must fit under it, for every depth and any group of the engine's layers, or its
+    last items would never run.  The one-dispatch step bounds each class by its most workgroups a pair."""
+    cap = gpu_items_cap(target, n_pairs)
+    for group in sorted({g for g in (1, 2, n_pairs // 2, n_pairs) if 1 <= g <= n_pairs}):
+        for visible in (1, 33, 2048, 4097, 131072, 1 << 22):
+            assert group * gpu_split_geometry(visible, group, target)[0] <= cap, (group, visible)
+    # and it is not loose: a deep launch over all the pairs leaves less than one workgroup a pair empty
+    deep = n_pairs * gpu_split_geometry(1 << 22, n_pairs, target)[0]
+    assert deep == n_pairs * gpu_workgroups_per_pair(n_pairs, target)
+    assert cap - deep < n_pairs or gpu_workgroups_per_pair(n_pairs, target) == GPU_MAX_WORKGROUPS
 
 
 def test_gpu_split_target_override(monkeypatch):

@@ -100,22 +100,26 @@ def addressing(layout: str, n_kv: int):
                            physical_of=physical_of, fused_store=fused_store)
 
 
-def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layout: str, bypass: bool, record: bool):
+def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layout: str, bypass: bool, record: bool,
+                   items_cap: int = 0):
     """Compile-time specialised producer kernel.
 
     layout: TOKEN_MAJOR (ring, addressed through origins) or HEAD_MAJOR (growing plane).
     bypass: the current token is read from k_cur/v_cur (f32) and stored into the plane by workgroup 0.
     record: add 1 + VISIT_OWNER*workgroup to ``visits[layer, block]`` per visit (ownership tests).
+    items_cap: on a GPU, the most work items a launch may have, compiled in as the loop's bound
+    (producer_kernel); 0: the bound is computed from the arguments.
     """
     at = addressing(layout, n_kv)
     if gpu:
-        return build_gpu_producer(active_tile_plan(head_dim, heads_per_kv), n_kv, bypass, record, at)
+        return build_gpu_producer(active_tile_plan(head_dim, heads_per_kv), n_kv, bypass, record, at, items_cap)
     return producer_kernel(n_kv, cpu_item=_cpu_item_work(head_dim, heads_per_kv, n_kv, bypass, record, at))
 
 
-def build_gpu_producer(plan, n_kv: int, bypass: bool, record: bool, at):
+def build_gpu_producer(plan, n_kv: int, bypass: bool, record: bool, at, items_cap: int = 0):
     """The GPU producer for a tile plan (scripts/tune_gpu.py builds variants with plans of its own)."""
-    return producer_kernel(n_kv, gpu=(plan, plan_work(plan, bypass, record, at, fused_store=bypass)))
+    return producer_kernel(n_kv, gpu=(plan, plan_work(plan, bypass, record, at, fused_store=bypass)),
+                           items_cap=items_cap)
 
 
 def tile_plan(heads_per_kv: int, head_dim: int, budget: int, arch: str | None = None, **overrides):
@@ -153,10 +157,12 @@ def plan_shared(plan) -> tuple:
     return warp_shared_arrays(plan) if isinstance(plan, WarpTilePlan) else shared_arrays(plan)
 
 
-def producer_kernel(n_kv: int, cpu_item=None, gpu=None):
+def producer_kernel(n_kv: int, cpu_item=None, gpu=None, items_cap: int = 0):
     """The producer kernel, one signature for both paths: the CPU runs ``cpu_item`` (a ti.func of a work
     item) once per work item; a GPU runs ``gpu`` = (plan, work), T threads per work item, each with
-    the workgroup's shared arrays (producer_gpu.shared_arrays)."""
+    the workgroup's shared arrays (producer_gpu.shared_arrays).  items_cap (GPU): the loop's bound is
+    items_cap workgroups, a constant, and those past the launch's n_group x n_kv x nwg items do nothing
+    (splitk.gpu_items_cap says why); the caller keeps the items within it."""
     gpu_path = gpu is not None
     plan, work = gpu if gpu_path else (None, None)
     T = plan.T if gpu_path else 1
@@ -169,7 +175,14 @@ def producer_kernel(n_kv: int, cpu_item=None, gpu=None):
         position: ti.i32, window: ti.i32, capacity: ti.i32, origin_logical: ti.i32, origin_physical: ti.i32,
         nwg: ti.i32, nsg: ti.i32, scale: ti.f32,
     ):
-        if ti.static(gpu_path):
+        if ti.static(gpu_path and items_cap > 0):
+            ti.loop_config(block_dim=T)
+            for t in range(items_cap * T):
+                if udiv(t, T) < n_group * n_kv * nwg:  # uniform across a workgroup
+                    work(umod(t, T), udiv(t, T), ti.static(plan_shared(plan)), q, k_cur, v_cur, k_plane, v_plane,
+                         partials, visits, layers, slots, position, window, capacity, origin_logical,
+                         origin_physical, nwg, nsg, scale)
+        elif ti.static(gpu_path):
             ti.loop_config(block_dim=T)
             for t in range(n_group * n_kv * nwg * T):
                 work(umod(t, T), udiv(t, T), ti.static(plan_shared(plan)), q, k_cur, v_cur, k_plane, v_plane,

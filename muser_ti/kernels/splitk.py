@@ -73,6 +73,19 @@ def gpu_split_geometry(visible: int, n_pairs: int, target: int | None = None) ->
     return max(1, min(runs, gpu_workgroups_per_pair(n_pairs, target))), nsg
 
 
+def gpu_items_cap(target: int, n_pairs: int) -> int:
+    """The most work items (workgroups) a GPU producer launch over at most ``n_pairs`` (layer, KV head) pairs
+    can have: gpu_split_geometry keeps pairs x nwg <= max(target, pairs) (tests/test_gpu_plan.py).  The
+    producers compile it in as their loop's bound.  Why: Taichi 1.7.4 launches a range-for whose bound is not
+    a compile-time constant on its saturating grid, 8,448 blocks of 128 threads on the H200, and computes
+    the bound in a one-thread task launched ahead of it.  The producer holds 2 workgroups an SM, so the
+    ~8,200 empty blocks queue behind the real ones: their prologue was 5.5 % of the stall samples of one
+    NoPE layer's producer at 131,072 keys (ncu).  With the constant bound that producer took 102.0-103.2 us
+    against 107.2 + 0.9 for the bound's task, 34.0 against 41.7 + 0.9 at 32,768 keys and 20.8 against
+    21.1 + 0.9 at 2,048 (CUPTI, both trees in alternation, docs/PERF.md run 19)."""
+    return max(target, n_pairs)
+
+
 def gpu_split_func(n_pairs: int, target: int, window: int):
     """gpu_split_geometry as a ti.func of the position, for a launch whose pairs and target are fixed
     when it is compiled (the one-dispatch step, step_gpu.py): the same numbers, computed by the threads
@@ -104,10 +117,13 @@ def block_owner(block: int, nwg: int, nsg: int) -> tuple[int, int]:
     return (block // nsg) % nwg, block % nsg
 
 
-def build_splitk(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int, gpu: bool, record: bool = False):
-    """(producer, reduce_f32, reduce_f16) for the token-major ring."""
+def build_splitk(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int, gpu: bool, record: bool = False,
+                 items_cap: int = 0):
+    """(producer, reduce_f32, reduce_f16) for the token-major ring; items_cap: producer.producer_kernel's
+    (a constant loop bound on a GPU; 0: none)."""
     producer = cached(
-        ("splitk", head_dim, heads_per_kv, n_kv, gpu, record, plan_key(head_dim, heads_per_kv, gpu)),
-        lambda: build_producer(head_dim, heads_per_kv, n_kv, gpu, TOKEN_MAJOR, bypass=False, record=record),
+        ("splitk", head_dim, heads_per_kv, n_kv, gpu, record, plan_key(head_dim, heads_per_kv, gpu), items_cap),
+        lambda: build_producer(head_dim, heads_per_kv, n_kv, gpu, TOKEN_MAJOR, bypass=False, record=record,
+                               items_cap=items_cap),
     )
     return producer, build_reduce(head_dim, n_heads, gpu, ti.f32), build_reduce(head_dim, n_heads, gpu, ti.f16)

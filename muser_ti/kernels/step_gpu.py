@@ -39,7 +39,7 @@ from .halves import HALVES_PER_WORD, packed_plane
 from .merge import build_reduce
 from .producer import addressing, gpu_work, plan_key, plan_shared
 from .producer_gpu import udiv, umod
-from .splitk import gpu_split_func
+from .splitk import gpu_split_func, gpu_workgroups_per_pair
 from .stores import TOKEN_FLAGS, build_token_scan, token_accepted
 
 ONE_DISPATCH_ARCHS = ("cuda", "vulkan")
@@ -54,7 +54,7 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int,
     Taichi's launch, ~2-4 us per array and ~1 us per scalar on the H200 (scripts/arg_cost.py,
     docs/PERF.md run 13), and a non-constant loop bound costs a one-thread task launched ahead of its
     loop (run 9): the layer counts (constant bounds for the scan, store and reducer tasks), the scale,
-    both windows and the split's target.  What follows from those and the position is computed in the
+    both windows and the split's target, and with them the producers' bound, their most work items.  What follows from those and the position is computed in the
     kernel, by the threads that use it: both classes' split geometry (splitk.gpu_split_func, what
     Engine.split_geometry gives) and the planes' capacities (their row dimension).  Both classes' layers
     are one table, NoPE then SWA, kept in ``flags`` after the scan's TOKEN_FLAGS cells (one array fewer);
@@ -74,6 +74,10 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int,
         split_nope = gpu_split_func(n_nope * KV, target, window_nope)
         split_swa = gpu_split_func(n_swa * KV, target, window_swa)
         T = plan.T
+        # each class's most work items: the producers' loop bound is a constant (splitk.gpu_items_cap says
+        # why), NoPE items in [0, NOPE_ITEMS), SWA items after; a class's items past its split do nothing
+        NOPE_ITEMS = n_nope * KV * gpu_workgroups_per_pair(n_nope * KV, target)
+        SWA_ITEMS = n_swa * KV * gpu_workgroups_per_pair(n_swa * KV, target)
 
         @ti.kernel
         def step(
@@ -101,18 +105,21 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int,
             # shared arrays: [M, S, O] per (layer, head, workgroup); they write only the partials (flags
             # stands in for the visit counts, which only record mode writes, and for the unused slot table)
             ti.loop_config(block_dim=T)
-            for t in range((n_nope * split_nope(position)[0] + n_swa * split_swa(position)[0]) * KV * T):
+            for t in range((NOPE_ITEMS + SWA_ITEMS) * T):
                 tid, item = umod(t, T), udiv(t, T)
                 shared = ti.static(plan_shared(plan))  # declared here, in the loop body, once for both
-                nwg_nope, nsg_nope = split_nope(position)
-                if item < n_nope * KV * nwg_nope:
-                    nope_work(tid, item, shared, q, k_cur, v_cur, k_nope, v_nope, part_nope, flags, flags, flags,
-                              position, window_nope, k_nope.shape[2], ol_nope, op_nope, nwg_nope, nsg_nope, scale)
+                if item < NOPE_ITEMS:
+                    nwg_nope, nsg_nope = split_nope(position)
+                    if item < n_nope * KV * nwg_nope:
+                        nope_work(tid, item, shared, q, k_cur, v_cur, k_nope, v_nope, part_nope, flags, flags,
+                                  flags, position, window_nope, k_nope.shape[2], ol_nope, op_nope, nwg_nope,
+                                  nsg_nope, scale)
                 else:
                     nwg_swa, nsg_swa = split_swa(position)
-                    swa_work(tid, item - n_nope * KV * nwg_nope, shared, q, k_cur, v_cur, k_swa, v_swa, part_swa,
-                             flags, flags, flags, position, window_swa, k_swa.shape[1], ol_swa, op_swa, nwg_swa,
-                             nsg_swa, scale)
+                    if item - NOPE_ITEMS < n_swa * KV * nwg_swa:
+                        swa_work(tid, item - NOPE_ITEMS, shared, q, k_cur, v_cur, k_swa, v_swa, part_swa, flags,
+                                 flags, flags, position, window_swa, k_swa.shape[1], ol_swa, op_swa, nwg_swa,
+                                 nsg_swa, scale)
             # 4. both reducers in one task, a thread per (layer, head, dim), NoPE layers first: out, if the scan
             # passed the token.  (Two reducer tasks in one kernel failed Taichi 1.7.4's SPIR-V codegen with
             # "Value tmpN does not yet exist" while the reducer had shared arrays.)
