@@ -54,10 +54,11 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int,
     Taichi's launch, ~2-4 us per array and ~1 us per scalar on the H200 (scripts/arg_cost.py,
     docs/PERF.md run 13), and a non-constant loop bound costs a one-thread task launched ahead of its
     loop (run 9): the layer counts (constant bounds for the scan, store and reducer tasks), the scale,
-    both windows and the split's target, and with them the producers' bound, their most work items.  What follows from those and the position is computed in the
-    kernel, by the threads that use it: both classes' split geometry (splitk.gpu_split_func, what
-    Engine.split_geometry gives) and the planes' capacities (their row dimension).  Both classes' layers
-    are one table, NoPE then SWA, kept in ``flags`` after the scan's TOKEN_FLAGS cells (one array fewer);
+    both windows and the split's target, and with them the producers' bound (their most work items).
+    What follows from those and the position is computed in the kernel, by the threads that use it:
+    both classes' split geometry (splitk.gpu_split_func, what Engine.split_geometry gives) and the planes'
+    capacities (their row dimension).  Both classes' layers are one table, NoPE then SWA, kept in
+    ``flags`` after the scan's TOKEN_FLAGS cells (one array fewer);
     a class's plane slot is its group index (the groups are the whole classes, in order), so no slot
     tables are bound; this token's plane rows are computed from the plane states' origins, the only
     per-token numbers besides the position and the stamp."""
