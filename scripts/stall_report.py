@@ -50,23 +50,34 @@ def stall_reasons(path) -> None:
             print(f"  {_number(value):14.0f}  {name}")
 
 
-def sass_lines(path, top: int = 30) -> None:
+def sass_table(path):
+    """(header, rows, columns) of the SASS page: columns maps src, addr, samples, executed to their index;
+    None where the page has no table."""
     table = rows(path)
     head_at = next((i for i, r in enumerate(table) if "Source" in r), None)  # a kernel-name row comes first
     if head_at is None:
-        print(f"{path}: no SASS table")
-        return
-    head, body = table[head_at], table[head_at + 1:]
-    src, addr = head.index("Source"), head.index("Address")
-    samples = next(i for i, h in enumerate(head) if h.startswith("Warp Stall Sampling (All"))
-    executed = head.index("Instructions Executed")
+        return None
+    head = table[head_at]
+    cols = {"src": head.index("Source"), "addr": head.index("Address"),
+            "samples": next(i for i, h in enumerate(head) if h.startswith("Warp Stall Sampling (All")),
+            "executed": head.index("Instructions Executed")}
+    return head, table[head_at + 1:], cols
+
+
+def opcode(text: str) -> str:
+    """A SASS line's opcode with its modifiers (LDS.128), past any predicate."""
+    return (text.split()[1] if text.startswith("@") else text.split()[0]) if text else "?"
+
+
+def sass_lines(sass, top: int = 30) -> None:
+    head, body, cols = sass
+    src, addr, samples, executed = cols["src"], cols["addr"], cols["samples"], cols["executed"]
     reasons = [(h, i) for i, h in enumerate(head) if h.startswith("stall_") and "Not Issued" not in h]
     total = sum(_number(r[samples]) for r in body) or 1.0
     issued = sum(_number(r[executed]) for r in body) or 1.0
     by_reason, by_op, ran, widths = Counter(), Counter(), Counter(), Counter()
     for r in body:
-        text = r[src].strip()
-        full = (text.split()[1] if text.startswith("@") else text.split()[0]) if text else "?"
+        full = opcode(r[src].strip())
         op = full.split(".")[0]
         by_op[op] += _number(r[samples])
         ran[op] += _number(r[executed])
@@ -89,22 +100,16 @@ def sass_lines(path, top: int = 30) -> None:
         print(f"  {100 * _number(r[samples]) / total:6.2f} %  {int(r[addr], 16) - first:#07x}  {r[src].strip()}")
 
 
-def regions(path, span: int) -> None:
-    table = rows(path)
-    head_at = next(i for i, r in enumerate(table) if "Source" in r)
-    head, body = table[head_at], table[head_at + 1:]
-    src, addr = head.index("Source"), head.index("Address")
-    samples = next(i for i, h in enumerate(head) if h.startswith("Warp Stall Sampling (All"))
-    executed = head.index("Instructions Executed")
+def regions(sass, span: int) -> None:
+    _, body, cols = sass
+    src, addr, samples, executed = cols["src"], cols["addr"], cols["samples"], cols["executed"]
     first = int(body[0][addr], 16)
     spans: dict[int, list] = {}
     for r in body:
         cell = spans.setdefault((int(r[addr], 16) - first) // span, [0.0, 0.0, Counter()])
         cell[0] += _number(r[samples])
         cell[1] += _number(r[executed])
-        text = r[src].strip()
-        cell[2][((text.split()[1] if text.startswith("@") else text.split()[0]) if text else "?").split(".")[0]] += \
-            _number(r[executed])
+        cell[2][opcode(r[src].strip()).split(".")[0]] += _number(r[executed])
     total = sum(c[0] for c in spans.values()) or 1.0
     issued = sum(c[1] for c in spans.values()) or 1.0
     print(f"code spans of {span:#x} bytes: share of the stall samples, of the executed instructions, their ratio")
@@ -119,6 +124,10 @@ def regions(path, span: int) -> None:
 
 if __name__ == "__main__":
     stall_reasons(sys.argv[1])
-    sass_lines(sys.argv[2])
-    if len(sys.argv) > 3:
-        regions(sys.argv[2], int(sys.argv[3], 0))
+    sass = sass_table(sys.argv[2])
+    if sass is None:
+        print(f"{sys.argv[2]}: no SASS table")
+    else:
+        sass_lines(sass)
+        if len(sys.argv) > 3:
+            regions(sass, int(sys.argv[3], 0))
