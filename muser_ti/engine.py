@@ -134,8 +134,9 @@ class Engine:
         # the split's workgroup target, fixed for the engine: its producers' loop bound follows from it
         self._gpu_target = gpu_target_workgroups() if gpu else 0
         self._items_cap = gpu_items_cap(self._gpu_target, g.n_layers * KV) if gpu else 0
-        self._splitk, self._reduce_f32, _ = build_splitk(D, G, KV, H, gpu, items_cap=self._items_cap)
-        self._interleaved, self._reduce_v2 = build_interleaved(D, G, KV, H, gpu, items_cap=self._items_cap)
+        caps = dict(items_cap=self._items_cap, layers_cap=g.n_layers if gpu else 0)  # constant loop bounds
+        self._splitk, self._reduce_f32, _ = build_splitk(D, G, KV, H, gpu, **caps)
+        self._interleaved, self._reduce_v2 = build_interleaved(D, G, KV, H, gpu, **caps)
         self._stores = {kind: build_stores(D, KV, LAYOUT_OF[kind]) for kind in self.planes}
         self._gpu = gpu
         # (class, group size) -> [n_group, H, workgroups, 2 + D] scratch: one per class, as the one-dispatch

@@ -16,12 +16,12 @@ from .producer import build_producer, plan_key
 
 
 def build_interleaved(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int, gpu: bool, record: bool = False,
-                      items_cap: int = 0):
-    """(producer, reduce_v2) for the head-major plane; items_cap as build_splitk's."""
+                      items_cap: int = 0, layers_cap: int = 0):
+    """(producer, reduce_v2) for the head-major plane; the caps as build_splitk's."""
     producer = cached(
         ("interleaved", head_dim, heads_per_kv, n_kv, gpu, record, plan_key(head_dim, heads_per_kv, gpu), items_cap),
         lambda: build_producer(head_dim, heads_per_kv, n_kv, gpu, HEAD_MAJOR, bypass=True, record=record,
                                items_cap=items_cap),
     )
     # reduce_v2: the LSE merge with precise exp, f32 output.
-    return producer, build_reduce(head_dim, n_heads, gpu, ti.f32)
+    return producer, build_reduce(head_dim, n_heads, gpu, ti.f32, layers_cap)

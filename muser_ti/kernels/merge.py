@@ -18,7 +18,10 @@ GPU_PARTIALS_IN_FLIGHT = 16  # U: partials a GPU reducer thread loads before it 
 #                              the layer at 131,072 keys), 11.5 / 7.9 us at U = 8, 11.0 / 7.7 us at U = 16
 
 
-def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype):
+def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: int = 0):
+    """The reducer kernel; layers_cap (GPU): the most layers a launch merges, which makes its loop's bound a
+    constant (threads past the launch's layers do nothing), as the producers' (splitk.gpu_items_cap says
+    why); 0: the bound is computed from n_group."""
     D, H = head_dim, n_heads
     W = MAX_WORKGROUPS
     U = GPU_PARTIALS_IN_FLIGHT
@@ -96,6 +99,10 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype):
                         for i in range(nwg):
                             acc += partials[g, h, i, 2 + d] * factors[i]
                         out[layers[g], h, d] = ti.cast(acc * inv, out_dtype)
+            elif ti.static(layers_cap > 0):
+                for t in range(layers_cap * H * D):
+                    if t < n_group * H * D:
+                        gpu_work(t, partials, out, layers, nwg, 1, 0)
             else:
                 for t in range(n_group * H * D):
                     gpu_work(t, partials, out, layers, nwg, 1, 0)
@@ -103,4 +110,4 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype):
         reduce.gpu_work = gpu_work
         return reduce
 
-    return cached(("reduce", D, H, gpu, str(out_dtype)), build)
+    return cached(("reduce", D, H, gpu, str(out_dtype), layers_cap), build)

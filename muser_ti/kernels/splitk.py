@@ -118,12 +118,13 @@ def block_owner(block: int, nwg: int, nsg: int) -> tuple[int, int]:
 
 
 def build_splitk(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int, gpu: bool, record: bool = False,
-                 items_cap: int = 0):
-    """(producer, reduce_f32, reduce_f16) for the token-major ring; items_cap: producer.producer_kernel's
-    (a constant loop bound on a GPU; 0: none)."""
+                 items_cap: int = 0, layers_cap: int = 0):
+    """(producer, reduce_f32, reduce_f16) for the token-major ring; the caps: producer.producer_kernel's
+    items_cap and merge.build_reduce's layers_cap (constant loop bounds on a GPU; 0: none)."""
     producer = cached(
         ("splitk", head_dim, heads_per_kv, n_kv, gpu, record, plan_key(head_dim, heads_per_kv, gpu), items_cap),
         lambda: build_producer(head_dim, heads_per_kv, n_kv, gpu, TOKEN_MAJOR, bypass=False, record=record,
                                items_cap=items_cap),
     )
-    return producer, build_reduce(head_dim, n_heads, gpu, ti.f32), build_reduce(head_dim, n_heads, gpu, ti.f16)
+    return (producer, build_reduce(head_dim, n_heads, gpu, ti.f32, layers_cap),
+            build_reduce(head_dim, n_heads, gpu, ti.f16, layers_cap))
