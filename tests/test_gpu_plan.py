@@ -136,18 +136,19 @@ def warp_plans():
     for arch, budget in SHARED_BUDGET_BYTES.items():
         for G in GROUPS:
             for D in HEAD_DIMS:
-                p = warp_tile_plan(G, D, budget, arch=arch)
-                if p is not None:
-                    yield arch, budget, p
+                for RL in (4, 8):
+                    p = warp_tile_plan(G, D, budget, arch=arch, RL=RL)
+                    if p is not None:
+                        yield arch, budget, p
 
 
 @pytest.mark.parametrize("backend_name, budget, p", list(warp_plans()), ids=str)
 def test_warp_plan_covers_every_score_and_output_once_within_budget(backend_name, budget, p):
-    assert p.T == WARPS * 32 and p.HGL * p.RGL == 32 and p.HGL * 4 == p.G and p.RW == 4 * p.RGL
+    assert p.T == WARPS * 32 and p.HGL * p.RGL == 32 and p.HGL * 4 == p.G and p.RW == p.RL * p.RGL
     # a lane (hg, rg) scores heads hg + HGL*i and rows rg + RGL*j; it accumulates the same heads, dims
     # 4*rg + 4*RGL*jj + e: together the lanes cover G x RW scores and G x D outputs exactly once
     scores = sorted((hg + p.HGL * i, rg + p.RGL * j) for hg in range(p.HGL) for rg in range(p.RGL)
-                    for i in range(4) for j in range(4))
+                    for i in range(4) for j in range(p.RL))
     assert scores == sorted((h, r) for h in range(p.G) for r in range(p.RW))
     dims = sorted(4 * rg + 4 * p.RGL * jj + e for rg in range(p.RGL) for jj in range(p.VD // 4) for e in range(4))
     assert dims == list(range(p.D)) and 4 * p.VD <= 64
@@ -168,6 +169,17 @@ def test_glimmer_takes_warp_tiles_on_cuda_and_vulkan_and_the_block_tile_on_metal
     assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WT=0")) == \
         gpu_tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"])
     assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WU=2")).WU == 2
+    # RL=8: 64-row warp tiles, which only just fit 48 KiB; XM: shuffles for the tile max, CUDA only
+    p = tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("RL=8,XM=1"))
+    assert (p.RL, p.RW, p.DC, p.XM, p.shared_bytes) == (8, 64, 16, 1, 48896)
+    assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda").XM == 0  # not a measured win (docs/PERF.md run 20)
+    for arch in ("vulkan", "metal"):
+        with pytest.raises(ValueError, match=f"XM=1 on {arch}.*CUDA only"):
+            warp_tile_plan(16, 64, SHARED_BUDGET_BYTES[arch], arch=arch, XM=1)
+    with pytest.raises(ValueError, match="RL=5: expected 4 or 8"):
+        tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("RL=5"))
+    with pytest.raises(ValueError, match="XM=2: expected 0 or 1"):
+        tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("XM=2"))
     # Qwen2.5-7B's 7 heads per KV head and multi-head attention keep the block tile
     assert warp_tile_plan(7, 128, SHARED_BUDGET_BYTES["cuda"]) is None
     assert warp_tile_plan(1, 256, SHARED_BUDGET_BYTES["cuda"]) is None

@@ -158,10 +158,15 @@ def test_tiny_ring_smaller_than_window_is_refused(arch):
 # is forced down to one workgroup per (layer, KV head), so a workgroup owns every visible row and all four
 # warps work through several 128-row tiles, the current token landing in a later warp's rows; at the
 # default split a few hundred rows give each workgroup one 32-row block, which only the first warp sees.
-@pytest.mark.parametrize("n_heads, head_dim", [(32, 128), (16, 64), (8, 128)])
-def test_warp_tiles_with_every_warp_busy_match_reference(arch, n_heads, head_dim, monkeypatch):
+# The tile knobs (producer_warp: RL, 64-row tiles; XM, the tile max by warp shuffles) run here too.
+@pytest.mark.parametrize("n_heads, head_dim, tile", [(32, 128, ""), (16, 64, ""), (8, 128, ""), (32, 128, "RL=8"),
+                                                     (32, 128, "XM=1"), (32, 128, "RL=8,XM=1")])
+def test_warp_tiles_with_every_warp_busy_match_reference(arch, n_heads, head_dim, tile, monkeypatch):
     if arch == "cpu":
         pytest.skip("the CPU producer has no GPU tiles")
+    if "XM" in tile and arch != "cuda":
+        pytest.skip("XM: warp shuffles run on CUDA only in Taichi 1.7.4")
+    monkeypatch.setenv("MUSER_GPU_TILE", tile)
     if not isinstance(active_tile_plan(head_dim, n_heads // 2), WarpTilePlan):
         pytest.skip(f"{arch} runs the block tile for this shape (its shared memory, producer_warp.warp_tile_plan)")
     monkeypatch.setenv("MUSER_GPU_TARGET_WORKGROUPS", "2")

@@ -249,8 +249,8 @@ def describe_block_tile(p: TilePlan, arch: str, budget: int) -> str:
             f"{'chunks pipelined (packed halves in flight)' if p.PF else 'chunks not pipelined'}")
 
 
-TILE_KNOBS = ("T", "HB", "VH", "R", "LG", "DC", "PF", "WT", "WU")  # WT, WU: warp tiles (producer_warp.py)
-SWITCH_KNOBS = ("PF", "WT")  # 0 or 1
+TILE_KNOBS = ("T", "HB", "VH", "R", "LG", "DC", "PF", "WT", "WU", "XM", "RL")  # WT..RL: warp tiles (producer_warp.py)
+SWITCH_KNOBS = ("PF", "WT", "XM")  # 0 or 1
 
 
 def tile_overrides(text: str | None = None) -> dict[str, int]:

@@ -49,7 +49,12 @@ from .producer_gpu import item_prologue, owned_rows, udiv, umod
 WARP = 32  # lanes that share a warp sync (CUDA); the SPIR-V path syncs the workgroup instead
 WARPS = 4  # per workgroup: 128 threads, the register cap of the block tile (255, see GPU_PRODUCER_THREADS)
 HEADS_PER_LANE = 4  # a lane's heads: hg, hg + HGL, ... (one 128-bit load of queries or weights)
-ROWS_PER_LANE = 4  # a lane's score rows: rg, rg + RGL, ...
+ROWS_PER_LANE = 4  # RL: a lane's score rows, rg, rg + RGL, ...  RL = 8 (knob; 64-row warp tiles, 48,896 B shared)
+#                   halves the once-a-tile work per row and bought nothing at depth (docs/PERF.md run 20): with
+#                   XM, 254 registers and no spills, 131.8 against 129.8 us at 131,072 keys and 62.7 against 62.9
+#                   at 32,768 (kernel profiler, one process); 53.9 against 40.6 us at 2,048, where a warp's 32
+#                   rows fill half its tile.  Without XM it spilled 240 B at 255 registers: 114.9 against 101.2 us
+#                   (CUPTI) at 131,072 keys
 MAX_ACCUMULATORS = 64  # 4 heads x VD dims per lane: 4 x 16 for Glimmer.  With the scores and a chunk in
 #                       flight ptxas takes 254-255 of the 255 registers (no spills at WU = 1 or 8, 8 bytes at 2
 #                       and 4; docs/PERF.md run 14), so 2 workgroups an SM: 8 warps, as the block tile.
@@ -61,7 +66,11 @@ CHUNK_HALVES = 1024  # per warp and chunk: 16 words per lane in flight; K chunk 
 #                     A tile's first V chunk and the next tile's first K chunk are loaded only when their phase
 #                     starts (two exposed latencies a tile).  Loading each under the other phase's last chunk
 #                     kept the next rows' buffer, a flag and a branch live across the K loop: 255 registers, 136 B
-#                     of stack, 8 B spilled, 117.6 against 106 us at 131,072 keys (run 18, patch kept there)
+#                     of stack, 8 B spilled, 117.6 against 106 us at 131,072 keys (run 18, patch kept there).
+#                     Building the next tile's row table in the value loop instead, its first K chunk loaded under
+#                     the last V chunk (knob KP, docs/perf/h200/run19/next-tile-prefetch.patch): 254 registers, no
+#                     spills, and no gain, 103.4 against 102.1 us (CUPTI; run 20).  Those latencies are not what
+#                     binds the deep layer (RL above says the same)
 PAD = 4  # floats after each K chunk row and query row: rows a warp reads together fall in distinct banks.
 #         A staged word's two halves go out as one STS.64 (ptxas pairs the stores; ncu on one NoPE layer at
 #         131,072 keys, docs/PERF.md run 19: 1.05 M STS.64, shared stores 2.9 M wavefronts against 10.6 M for
@@ -78,6 +87,12 @@ UNROLL = {"cuda": 8}  # WU, by arch (1 elsewhere): steps of the score loop (4 di
 #            a producer on CUDA the first time (Taichi's offline cache keeps it), 2.4 s at WU = 1.  Not on
 #            SPIR-V: lavapipe (CI) took over 10 minutes to compile the one-dispatch step with WU = 8, and the
 #            H200's Vulkan driver was not measured with it
+SHUFFLE_MAX = {}  # XM, by arch (0 elsewhere): the tile max of a head over its RGL lanes by a butterfly of
+#                   log2(RGL) warp shuffles, where shared memory takes a store, a warp sync and a chain of RGL - 1
+#                   loads per head.  Max is exact, so the bits are XM=0's (checked on the H200 at 2,048-131,072
+#                   keys).  Not on by default: the same time (producer 101.3 / 101.4 against 101.2 / 102.1 us at
+#                   131,072 keys, CUPTI, two calls, docs/PERF.md run 20), though it frees 20 registers (234
+#                   against 254), which RL = 8 needs to run without spills
 
 
 @dataclass(frozen=True)
@@ -88,25 +103,42 @@ class WarpTilePlan:
     D: int
     HGL: int  # head groups per warp (lanes along heads)
     RGL: int  # row groups per warp (lanes along rows)
-    RW: int  # rows per warp and tile (RGL x ROWS_PER_LANE)
+    RW: int  # rows per warp and tile (RGL x RL)
     DC: int  # K chunk dims
     VR: int  # V chunk rows
     VD: int  # value dims per lane: 4*dv + 4*RGL*jj + e
     BUF: int  # floats in a warp's K/V chunk buffer
     shared_bytes: int
     WU: int = 1
+    XM: int = 0  # the tile max across a head group's lanes by warp shuffles (CUDA), not through shared memory
+    RL: int = ROWS_PER_LANE  # score rows per lane
     T: int = WARP * WARPS
 
 
-def warp_tile_plan(G: int, D: int, budget: int, WU: int | None = None, arch: str | None = None) -> WarpTilePlan | None:
+def warp_tile_plan(G: int, D: int, budget: int, WU: int | None = None, arch: str | None = None,
+                   XM: int | None = None, RL: int = ROWS_PER_LANE) -> WarpTilePlan | None:
     """The warp tile for G heads per KV head at head_dim D within ``budget`` bytes of shared memory, or
-    None where it does not apply (the block tile runs there); pure arithmetic, tested.  WU defaults to
-    UNROLL's for ``arch`` (the active backend's when None)."""
+    None where it does not apply (the block tile runs there); pure arithmetic, tested.  WU and XM default
+    to UNROLL's and SHUFFLE_MAX's for ``arch`` (the active backend's when None); RL: score rows per lane."""
+    if RL not in (4, 8):
+        raise ValueError(f"warp tile RL={RL}: expected 4 or 8 score rows per lane")
+    arch = arch or backend.active()
+    if WU is None:
+        WU = UNROLL.get(arch, 1)
+    if WU < 1:  # each loop unrolls by the largest divisor of its steps up to WU
+        raise ValueError(f"warp tile unroll WU={WU}: expected a positive integer")
+    if XM is None:
+        XM = SHUFFLE_MAX.get(arch, 0)
+    if XM not in (0, 1):
+        raise ValueError(f"warp tile XM={XM}: expected 0 or 1")
+    if XM and arch != "cuda":
+        raise ValueError(f"warp tile XM={XM} on {arch}: warp shuffles run on CUDA only in Taichi 1.7.4 "
+                         f"(they return 0 on the CPU and do not compile for SPIR-V); expected XM=0 there")
     if G % HEADS_PER_LANE or WARP % (G // HEADS_PER_LANE):
         return None
     HGL = G // HEADS_PER_LANE
     RGL = WARP // HGL
-    RW = RGL * ROWS_PER_LANE
+    RW = RGL * RL
     VD = D // RGL
     if HEADS_PER_LANE * VD > MAX_ACCUMULATORS or VD % 4 or D % (4 * RGL):
         return None
@@ -118,17 +150,13 @@ def warp_tile_plan(G: int, D: int, budget: int, WU: int | None = None, arch: str
     shared = 4 * (floats + WARPS * RW)
     if shared > budget:
         return None
-    if WU is None:
-        WU = UNROLL.get(arch or backend.active(), 1)
-    if WU < 1:  # each loop unrolls by the largest divisor of its steps up to WU
-        raise ValueError(f"warp tile unroll WU={WU}: expected a positive integer")
-    return WarpTilePlan(G, D, HGL, RGL, RW, DC, VR, VD, buf, shared, WU)
+    return WarpTilePlan(G, D, HGL, RGL, RW, DC, VR, VD, buf, shared, WU, XM, RL)
 
 
 def describe_warp_tile(p: WarpTilePlan, budget: int) -> str:
     """A warp tile in words (producer.describe_plans prints one per backend)."""
     return (f"warp tiles, {p.T} threads, each warp its own {p.RW} rows of a {WARPS * p.RW}-row tile; scores "
-            f"{HEADS_PER_LANE} heads x {ROWS_PER_LANE} rows and values {HEADS_PER_LANE} heads x {p.VD} dims per "
+            f"{HEADS_PER_LANE} heads x {p.RL} rows and values {HEADS_PER_LANE} heads x {p.VD} dims per "
             f"lane; K chunks of {p.DC} dims, V chunks of {p.VR} rows, loops unrolled x{p.WU}; "
             f"{p.shared_bytes / 1024:.1f} of {budget // 1024} KiB shared")
 
@@ -152,7 +180,7 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
     p = plan
     G, D, C = p.G, p.D, BLOCK_ROWS
     HGL, RGL, RW, DC, VR, VD, BUF = p.HGL, p.RGL, p.RW, p.DC, p.VR, p.VD, p.BUF
-    HL, RL = HEADS_PER_LANE, ROWS_PER_LANE
+    HL, RL = HEADS_PER_LANE, p.RL
     KS, QS = DC + PAD, D + PAD  # strides of a K chunk row and a query row
     DCW, DW = DC // HALVES_PER_WORD, D // HALVES_PER_WORD  # words per K chunk row, per V row
     LOADS = CHUNK_HALVES // (HALVES_PER_WORD * WARP)  # words per lane per chunk
@@ -285,19 +313,29 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
                                 sc[hi, j] = s
 
             ahead = load_chunk(v_plane, rows_sh, False, 0, wrow, lane)  # in flight under the softmax
-            # the tile max of each head over the RGL lanes of its head group, through the warp's part
+            # the tile max of each head over the RGL lanes of its head group (lanes hg + HGL*r): by warp
+            # shuffles (XM) or through the warp's part
+            local = ti.Vector([RUNNING_MAX_INIT] * HL)
             for hi in ti.static(range(HL)):
-                local = RUNNING_MAX_INIT
                 for j in ti.static(range(RL)):
                     if rg + RGL * j < count:
-                        local = ti.max(local, sc[hi, j] * scale)
-                part[wpart + rg * G + hg * HL + hi] = local
-            warp_sync()
+                        local[hi] = ti.max(local[hi], sc[hi, j] * scale)
+            if ti.static(p.XM):
+                for k in ti.static(range(RGL.bit_length() - 1)):  # RGL = 32 / HGL, a power of 2
+                    for hi in ti.static(range(HL)):
+                        local[hi] = ti.max(local[hi], ti.simt.warp.shfl_sync_f32(
+                            ti.u32(FULL_MASK), local[hi], lane ^ (HGL << k)))
+            else:
+                for hi in ti.static(range(HL)):
+                    part[wpart + rg * G + hg * HL + hi] = local[hi]
+                warp_sync()
+                for hi in ti.static(range(HL)):
+                    tile_max = part[wpart + hg * HL + hi]
+                    for r in range(1, RGL):
+                        tile_max = ti.max(tile_max, part[wpart + r * G + hg * HL + hi])
+                    local[hi] = tile_max
             for hi in ti.static(range(HL)):
-                tile_max = part[wpart + hg * HL + hi]
-                for r in range(1, RGL):
-                    tile_max = ti.max(tile_max, part[wpart + r * G + hg * HL + hi])
-                new_max = ti.max(m[hi], tile_max)
+                new_max = ti.max(m[hi], local[hi])
                 f = ti.exp(m[hi] - new_max)
                 m[hi] = new_max
                 total = lsum[hi] * f
