@@ -176,6 +176,10 @@ def test_glimmer_takes_warp_tiles_on_cuda_and_vulkan_and_the_block_tile_on_metal
     for arch in ("vulkan", "metal"):
         with pytest.raises(ValueError, match=f"XM=1 on {arch}.*CUDA only"):
             warp_tile_plan(16, 64, SHARED_BUDGET_BYTES[arch], arch=arch, XM=1)
+    assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("CA=2")).CA == 2
+    assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda").CA == 1
+    with pytest.raises(ValueError, match="CA=3: expected 1 or 2"):
+        tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("CA=3"))
     with pytest.raises(ValueError, match="RL=5: expected 4 or 8"):
         tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("RL=5"))
     with pytest.raises(ValueError, match="XM=2: expected 0 or 1"):

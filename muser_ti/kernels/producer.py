@@ -128,8 +128,8 @@ def tile_plan(heads_per_kv: int, head_dim: int, budget: int, arch: str | None = 
     block tile with the other overrides' caps (producer_gpu.gpu_tile_plan)."""
     warp_tiles = overrides.pop("WT", 1)
     unroll, shuffle_max = overrides.pop("WU", None), overrides.pop("XM", None)
-    rows = overrides.pop("RL", ROWS_PER_LANE)
-    plan = warp_tile_plan(heads_per_kv, head_dim, budget, unroll, arch, shuffle_max, rows) if warp_tiles else None
+    rows, ahead = overrides.pop("RL", ROWS_PER_LANE), overrides.pop("CA", None)
+    plan = warp_tile_plan(heads_per_kv, head_dim, budget, unroll, arch, shuffle_max, rows, ahead) if warp_tiles else None
     return plan or gpu_tile_plan(heads_per_kv, head_dim, budget, **overrides)
 
 

@@ -249,7 +249,7 @@ def describe_block_tile(p: TilePlan, arch: str, budget: int) -> str:
             f"{'chunks pipelined (packed halves in flight)' if p.PF else 'chunks not pipelined'}")
 
 
-TILE_KNOBS = ("T", "HB", "VH", "R", "LG", "DC", "PF", "WT", "WU", "XM", "RL")  # WT..RL: warp tiles (producer_warp.py)
+TILE_KNOBS = ("T", "HB", "VH", "R", "LG", "DC", "PF", "WT", "WU", "XM", "RL", "CA")  # WT..CA: warp tiles (producer_warp.py)
 SWITCH_KNOBS = ("PF", "WT", "XM")  # 0 or 1
 
 

@@ -71,6 +71,12 @@ CHUNK_HALVES = 1024  # per warp and chunk: 16 words per lane in flight; K chunk 
 #                     the last V chunk (knob KP, docs/perf/h200/run19/next-tile-prefetch.patch): 254 registers, no
 #                     spills, and no gain, 103.4 against 102.1 us (CUPTI; run 20).  Those latencies are not what
 #                     binds the deep layer (RL above says the same)
+CHUNKS_AHEAD = 1  # CA: chunks whose loads are in flight while one is computed (knob CA=2: two, 16 more registers,
+#                    which XM frees; the V phase's first two loads then go out during the K phase's last two
+#                    chunks).  Written for the hypothesis run 20 left: the deep layer moves ~1.3 TB/s with at most
+#                    8 warps x 2 KB in flight an SM, about what one chunk's ~1 us of loaded memory latency allows,
+#                    and halving the once-a-tile work (RL = 8) did not move it.  Checked on lavapipe (the same
+#                    bits as CA=1), not measured on the H200
 PAD = 4  # floats after each K chunk row and query row: rows a warp reads together fall in distinct banks.
 #         A staged word's two halves go out as one STS.64 (ptxas pairs the stores; ncu on one NoPE layer at
 #         131,072 keys, docs/PERF.md run 19: 1.05 M STS.64, shared stores 2.9 M wavefronts against 10.6 M for
@@ -112,16 +118,21 @@ class WarpTilePlan:
     WU: int = 1
     XM: int = 0  # the tile max across a head group's lanes by warp shuffles (CUDA), not through shared memory
     RL: int = ROWS_PER_LANE  # score rows per lane
+    CA: int = 1  # chunks of K/V loads in flight ahead of the one being stored (CHUNKS_AHEAD says why)
     T: int = WARP * WARPS
 
 
 def warp_tile_plan(G: int, D: int, budget: int, WU: int | None = None, arch: str | None = None,
-                   XM: int | None = None, RL: int = ROWS_PER_LANE) -> WarpTilePlan | None:
+                   XM: int | None = None, RL: int = ROWS_PER_LANE, CA: int | None = None) -> WarpTilePlan | None:
     """The warp tile for G heads per KV head at head_dim D within ``budget`` bytes of shared memory, or
     None where it does not apply (the block tile runs there); pure arithmetic, tested.  WU and XM default
-    to UNROLL's and SHUFFLE_MAX's for ``arch`` (the active backend's when None); RL: score rows per lane."""
+    to UNROLL's and SHUFFLE_MAX's for ``arch`` (the active backend's when None); RL: score rows per lane;
+    CA: chunks in flight ahead (CHUNKS_AHEAD)."""
     if RL not in (4, 8):
         raise ValueError(f"warp tile RL={RL}: expected 4 or 8 score rows per lane")
+    CA = CHUNKS_AHEAD if CA is None else CA
+    if CA not in (1, 2):
+        raise ValueError(f"warp tile CA={CA}: expected 1 or 2 chunks in flight ahead")
     arch = arch or backend.active()
     if WU is None:
         WU = UNROLL.get(arch, 1)
@@ -150,7 +161,7 @@ def warp_tile_plan(G: int, D: int, budget: int, WU: int | None = None, arch: str
     shared = 4 * (floats + WARPS * RW)
     if shared > budget:
         return None
-    return WarpTilePlan(G, D, HGL, RGL, RW, DC, VR, VD, buf, shared, WU, XM, RL)
+    return WarpTilePlan(G, D, HGL, RGL, RW, DC, VR, VD, buf, shared, WU, XM, RL, CA)
 
 
 def describe_warp_tile(p: WarpTilePlan, budget: int) -> str:
@@ -224,12 +235,11 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
             buf[base + 1] = high(stage[k])
 
     @ti.func
-    def stage_chunk(plane: ti.template(), cur: ti.template(), buf: ti.template(), rows_sh: ti.template(), ahead,
-                    layer, kvh, is_k: ti.template(), c, n_chunks: ti.template(), has_cur, r_cur, count, wbuf, wrow,
-                    lane):
-        """Chunk c into the warp's buffer between two warp syncs, the bypass row patched in (only in the
-        tile that holds the current token, a workgroup-uniform test, so the SPIR-V barriers stay uniform).
-        Returns chunk c+1's loads, in flight while chunk c's FMAs run."""
+    def store_stage(cur: ti.template(), buf: ti.template(), ahead, layer, kvh, is_k: ti.template(), c, has_cur, r_cur,
+                    count, wbuf, lane):
+        """Chunk c (its loads in ``ahead``) into the warp's buffer between two warp syncs, the bypass row
+        patched in (only in the tile that holds the current token, a workgroup-uniform test, so the SPIR-V
+        barriers stay uniform)."""
         warp_sync()  # every lane is done reading the previous chunk
         store_chunk(buf, ahead, is_k, wbuf, lane)
         if ti.static(bypass):
@@ -248,10 +258,28 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
                             buf[wbuf + (r_cur - c * VR) * D + e] = cur[layer, kvh, e]
                             e += WARP
         warp_sync()
+
+    @ti.func
+    def stage_chunk(plane: ti.template(), cur: ti.template(), buf: ti.template(), rows_sh: ti.template(), ahead,
+                    layer, kvh, is_k: ti.template(), c, n_chunks: ti.template(), has_cur, r_cur, count, wbuf, wrow,
+                    lane):
+        """store_stage, then chunk c+1's loads, returned: in flight while chunk c's FMAs run."""
+        store_stage(cur, buf, ahead, layer, kvh, is_k, c, has_cur, r_cur, count, wbuf, lane)
         nxt = ahead
         if c + 1 < n_chunks:
             nxt = load_chunk(plane, rows_sh, is_k, c + 1, wrow, lane)
         return nxt
+
+    @ti.func
+    def load_in_tile(k_plane: ti.template(), v_plane: ti.template(), rows_sh: ti.template(), i, wrow, lane):
+        """Chunk i of a tile's sequence, K chunks 0 .. NKC - 1 then V chunks (CA = 2: two chunks ahead, so a
+        K chunk's stage loads a V chunk near the phase's end); nothing past the tile's last chunk."""
+        stage = ti.Vector([0] * LOADS, dt=ti.u32)
+        if i < NKC:
+            stage = load_chunk(k_plane, rows_sh, True, i, wrow, lane)
+        elif i < NKC + NVC:
+            stage = load_chunk(v_plane, rows_sh, False, i - NKC, wrow, lane)
+        return stage
 
     @ti.func
     def work(tid, item, shared: ti.template(), q: ti.template(), k_cur: ti.template(), v_cur: ti.template(),
@@ -295,9 +323,17 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
 
             sc = ti.Matrix.zero(ti.f32, HL, RL)
             ahead = load_chunk(k_plane, rows_sh, True, 0, wrow, lane)
+            ahead2 = ti.Vector([0] * LOADS, dt=ti.u32)  # CA = 2: the chunk after ahead's
+            if ti.static(p.CA == 2):
+                ahead2 = load_in_tile(k_plane, v_plane, rows_sh, 1, wrow, lane)
             for c in range(NKC):
-                ahead = stage_chunk(k_plane, k_cur, buf, rows_sh, ahead, layer, kvh, True, c, NKC, has_cur, r_cur,
-                                    count, wbuf, wrow, lane)
+                if ti.static(p.CA == 2):
+                    store_stage(k_cur, buf, ahead, layer, kvh, True, c, has_cur, r_cur, count, wbuf, lane)
+                    ahead = ahead2
+                    ahead2 = load_in_tile(k_plane, v_plane, rows_sh, c + 2, wrow, lane)
+                else:
+                    ahead = stage_chunk(k_plane, k_cur, buf, rows_sh, ahead, layer, kvh, True, c, NKC, has_cur,
+                                        r_cur, count, wbuf, wrow, lane)
                 for step in range(DC // (4 * SU)):
                     for u in ti.static(range(SU)):  # dims c*DC + 4*d4 + e, in increasing order in every sum
                         d4 = step * SU + u
@@ -312,7 +348,8 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
                                     s = s + qf[e] * kf[j, e]
                                 sc[hi, j] = s
 
-            ahead = load_chunk(v_plane, rows_sh, False, 0, wrow, lane)  # in flight under the softmax
+            if ti.static(p.CA == 1):  # (CA = 2: V chunks 0 and 1 are in flight already)
+                ahead = load_chunk(v_plane, rows_sh, False, 0, wrow, lane)  # in flight under the softmax
             # the tile max of each head over the RGL lanes of its head group (lanes hg + HGL*r): by warp
             # shuffles (XM) or through the warp's part
             local = ti.Vector([RUNNING_MAX_INIT] * HL)
@@ -350,8 +387,13 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
                     acc[hi, x] = acc[hi, x] * f
 
             for c in range(NVC):
-                ahead = stage_chunk(v_plane, v_cur, buf, rows_sh, ahead, layer, kvh, False, c, NVC, has_cur, r_cur,
-                                    count, wbuf, wrow, lane)
+                if ti.static(p.CA == 2):
+                    store_stage(v_cur, buf, ahead, layer, kvh, False, c, has_cur, r_cur, count, wbuf, lane)
+                    ahead = ahead2
+                    ahead2 = load_in_tile(k_plane, v_plane, rows_sh, NKC + c + 2, wrow, lane)
+                else:
+                    ahead = stage_chunk(v_plane, v_cur, buf, rows_sh, ahead, layer, kvh, False, c, NVC, has_cur,
+                                        r_cur, count, wbuf, wrow, lane)
                 for step in range(VR // VU):
                     for u in ti.static(range(VU)):
                         r = step * VU + u
