@@ -74,9 +74,10 @@ CHUNK_HALVES = 1024  # per warp and chunk: 16 words per lane in flight; K chunk 
 CHUNKS_AHEAD = 1  # CA: chunks whose loads are in flight while one is computed (knob CA=2: two, 16 more registers,
 #                    which XM frees; the V phase's first two loads then go out during the K phase's last two
 #                    chunks).  Written for the hypothesis run 20 left: the deep layer moves ~1.3 TB/s with at most
-#                    8 warps x 2 KB in flight an SM, about what one chunk's ~1 us of loaded memory latency allows,
-#                    and halving the once-a-tile work (RL = 8) did not move it.  Checked on lavapipe (the same
-#                    bits as CA=1), not measured on the H200
+#                    8 warps x 2 KB in flight an SM (16 KB x 132 / 1.3 TB/s = 1.6 us, about one chunk's compute),
+#                    its top stall is a chunk's conversion waiting on loads issued a chunk earlier, and halving
+#                    the once-a-tile work (RL = 8) did not move it.  Checked on lavapipe (the same bits as CA=1),
+#                    not measured on the H200
 PAD = 4  # floats after each K chunk row and query row: rows a warp reads together fall in distinct banks.
 #         A staged word's two halves go out as one STS.64 (ptxas pairs the stores; ncu on one NoPE layer at
 #         131,072 keys, docs/PERF.md run 19: 1.05 M STS.64, shared stores 2.9 M wavefronts against 10.6 M for
