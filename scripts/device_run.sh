@@ -282,9 +282,8 @@ if [ "$what" = layers ]; then  # CUDA layers alone (CUPTI, torch in the same pro
     --json "$OUT/cuda-layers.json"
 fi
 if [ "$what" = deep ]; then
-  bench cuda-layers timeout ${DEEP_LAYERS_TIMEOUT:-150} python3 scripts/bench.py --arch cuda --mode layers \
-    --layer-depths ${DEEP_LAYER_DEPTHS:-2048,32768,131072} --routes ${DEEP_ROUTES:-interleaved,splitk} --repeats 15 \
-    --json "$OUT/cuda-layers.json"
+  LAYERS_TIMEOUT=${DEEP_LAYERS_TIMEOUT:-150} LAYER_DEPTHS=${DEEP_LAYER_DEPTHS:-2048,32768,131072} \
+    LAYER_ROUTES=${DEEP_ROUTES:-interleaved,splitk} bash "$0" layers
   bench cuda-steps timeout ${DEEP_STEPS_TIMEOUT:-170} python3 scripts/bench.py --arch cuda --mode steps \
     --step-depths ${DEEP_STEP_DEPTHS:-2048,131072} --repeats 15 --json "$OUT/cuda-steps.json"
 fi

@@ -36,7 +36,7 @@ from .common import BLOCK_ROWS, HEAD_MAJOR, RUNNING_MAX_INIT, TOKEN_MAJOR, VISIT
 from .halves import HALVES_PER_WORD, high, low, pack, packed_plane
 from .producer_gpu import (SHARED_BUDGET_BYTES, describe_block_tile, gpu_producer_work, gpu_tile_plan, shared_arrays,
                            tile_overrides, udiv, umod)
-from .producer_warp import (ROWS_PER_LANE, WarpTilePlan, describe_warp_tile, warp_producer_work, warp_shared_arrays,
+from .producer_warp import (WARP_TILE_KNOBS, WarpTilePlan, describe_warp_tile, warp_producer_work, warp_shared_arrays,
                             warp_tile_plan)
 
 
@@ -127,9 +127,8 @@ def tile_plan(heads_per_kv: int, head_dim: int, budget: int, arch: str | None = 
     """The GPU producer's plan: warp tiles (producer_warp.py) where they apply and WT is not 0, else the
     block tile with the other overrides' caps (producer_gpu.gpu_tile_plan)."""
     warp_tiles = overrides.pop("WT", 1)
-    unroll, shuffle_max = overrides.pop("WU", None), overrides.pop("XM", None)
-    rows, ahead = overrides.pop("RL", ROWS_PER_LANE), overrides.pop("CA", None)
-    plan = warp_tile_plan(heads_per_kv, head_dim, budget, unroll, arch, shuffle_max, rows, ahead) if warp_tiles else None
+    warp_knobs = {k: overrides.pop(k) for k in WARP_TILE_KNOBS if k in overrides}
+    plan = warp_tile_plan(heads_per_kv, head_dim, budget, arch=arch, **warp_knobs) if warp_tiles else None
     return plan or gpu_tile_plan(heads_per_kv, head_dim, budget, **overrides)
 
 

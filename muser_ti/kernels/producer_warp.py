@@ -101,6 +101,8 @@ SHUFFLE_MAX = {}  # XM, by arch (0 elsewhere): the tile max of a head over its R
 #                   131,072 keys, CUPTI, two calls, docs/PERF.md run 20), though it frees 20 registers (234
 #                   against 254), which RL = 8 needs to run without spills
 
+WARP_TILE_KNOBS = ("WU", "XM", "RL", "CA")  # MUSER_GPU_TILE's knobs that warp_tile_plan takes
+
 
 @dataclass(frozen=True)
 class WarpTilePlan:
@@ -124,14 +126,13 @@ class WarpTilePlan:
 
 
 def warp_tile_plan(G: int, D: int, budget: int, WU: int | None = None, arch: str | None = None,
-                   XM: int | None = None, RL: int = ROWS_PER_LANE, CA: int | None = None) -> WarpTilePlan | None:
+                   XM: int | None = None, RL: int = ROWS_PER_LANE, CA: int = CHUNKS_AHEAD) -> WarpTilePlan | None:
     """The warp tile for G heads per KV head at head_dim D within ``budget`` bytes of shared memory, or
     None where it does not apply (the block tile runs there); pure arithmetic, tested.  WU and XM default
     to UNROLL's and SHUFFLE_MAX's for ``arch`` (the active backend's when None); RL: score rows per lane;
     CA: chunks in flight ahead (CHUNKS_AHEAD)."""
     if RL not in (4, 8):
         raise ValueError(f"warp tile RL={RL}: expected 4 or 8 score rows per lane")
-    CA = CHUNKS_AHEAD if CA is None else CA
     if CA not in (1, 2):
         raise ValueError(f"warp tile CA={CA}: expected 1 or 2 chunks in flight ahead")
     arch = arch or backend.active()
@@ -453,4 +454,5 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
     return work
 
 
-__all__ = ["WarpTilePlan", "describe_warp_tile", "warp_producer_work", "warp_shared_arrays", "warp_tile_plan"]
+__all__ = ["WARP_TILE_KNOBS", "WarpTilePlan", "describe_warp_tile", "warp_producer_work", "warp_shared_arrays",
+           "warp_tile_plan"]
