@@ -136,15 +136,15 @@ def warp_plans():
     for arch, budget in SHARED_BUDGET_BYTES.items():
         for G in GROUPS:
             for D in HEAD_DIMS:
-                for RL in (4, 8):
-                    p = warp_tile_plan(G, D, budget, arch=arch, RL=RL)
+                for RL, WW, WC in ((4, WARPS, CHUNK_HALVES), (8, WARPS, CHUNK_HALVES), (4, 6, 512), (4, 3, 256)):
+                    p = warp_tile_plan(G, D, budget, arch=arch, RL=RL, WW=WW, WC=WC)
                     if p is not None:
                         yield arch, budget, p
 
 
 @pytest.mark.parametrize("backend_name, budget, p", list(warp_plans()), ids=str)
 def test_warp_plan_covers_every_score_and_output_once_within_budget(backend_name, budget, p):
-    assert p.T == WARPS * 32 and p.HGL * p.RGL == 32 and p.HGL * 4 == p.G and p.RW == p.RL * p.RGL
+    assert p.T == p.W * 32 and p.HGL * p.RGL == 32 and p.HGL * 4 == p.G and p.RW == p.RL * p.RGL
     # a lane (hg, rg) scores heads hg + HGL*i and rows rg + RGL*j; it accumulates the same heads, dims
     # 4*rg + 4*RGL*jj + e: together the lanes cover G x RW scores and G x D outputs exactly once
     scores = sorted((hg + p.HGL * i, rg + p.RGL * j) for hg in range(p.HGL) for rg in range(p.RGL)
@@ -152,8 +152,9 @@ def test_warp_plan_covers_every_score_and_output_once_within_budget(backend_name
     assert scores == sorted((h, r) for h in range(p.G) for r in range(p.RW))
     dims = sorted(4 * rg + 4 * p.RGL * jj + e for rg in range(p.RGL) for jj in range(p.VD // 4) for e in range(4))
     assert dims == list(range(p.D)) and 4 * p.VD <= 64
-    # a chunk is CHUNK_HALVES halves, K (RW rows x DC dims) or V (VR rows x D), whole words per lane
-    assert p.RW * p.DC == p.VR * p.D == CHUNK_HALVES and CHUNK_HALVES % (2 * 32) == 0
+    # a chunk is CH halves (CHUNK_HALVES unless WC says), K (RW rows x DC dims) or V (VR rows x D), whole
+    # words per lane
+    assert p.RW * p.DC == p.VR * p.D == p.CH and p.CH % (2 * 32) == 0
     assert p.D % p.DC == 0 and p.DC % 4 == 0 and p.RW % p.VR == 0
     assert p.BUF >= max(p.RW * (p.DC + 4), p.VR * p.D) and p.BUF % 4 == 0  # 128-bit aligned per warp
     assert p.shared_bytes <= budget
@@ -184,6 +185,15 @@ def test_glimmer_takes_warp_tiles_on_cuda_and_vulkan_and_the_block_tile_on_metal
         tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("RL=5"))
     with pytest.raises(ValueError, match="XM=2: expected 0 or 1"):
         tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("XM=2"))
+    # WW, WC: warps per workgroup and halves per chunk (run 21: 6 warps fit 48 KiB only with 512-half chunks)
+    p = tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WW=6,WC=512"))
+    assert (p.W, p.T, p.CH, p.DC, p.VR, p.shared_bytes) == (6, 192, 512, 16, 4, 40704)
+    p = tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda")
+    assert (p.W, p.T, p.CH) == (WARPS, 128, CHUNK_HALVES) == (4, 128, 1024)  # 6 warps spilled (run 21)
+    with pytest.raises(ValueError, match="WW=9: expected 1 to 8 warps"):
+        tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WW=9"))
+    with pytest.raises(ValueError, match=r"WC=768: expected one of \(256, 512, 1024, 2048\)"):
+        tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WC=768"))
     # Qwen2.5-7B's 7 heads per KV head and multi-head attention keep the block tile
     assert warp_tile_plan(7, 128, SHARED_BUDGET_BYTES["cuda"]) is None
     assert warp_tile_plan(1, 256, SHARED_BUDGET_BYTES["cuda"]) is None

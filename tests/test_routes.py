@@ -155,14 +155,16 @@ def test_tiny_ring_smaller_than_window_is_refused(arch):
 
 # Every lane split of the GPU producer's warp tile (kernels/producer_warp.py): 4 head groups x 8 row
 # groups (Glimmer's 16 heads per KV head), 2 x 16 (8 heads, d 64) and 1 x 32 (4 heads, d 128).  The split
-# is forced down to one workgroup per (layer, KV head), so a workgroup owns every visible row and all four
-# warps work through several 128-row tiles, the current token landing in a later warp's rows; at the
-# default split a few hundred rows give each workgroup one 32-row block, which only the first warp sees.
+# is forced down to one workgroup per (layer, KV head), so a workgroup owns every visible row and all its
+# warps work through several tiles (128 rows at 4 warps), the current token landing in a later warp's
+# rows; at the default split a few hundred rows give each workgroup one 32-row block, which only the
+# first warp sees.
 # The tile knobs (producer_warp: RL, 64-row tiles; CA, two chunks in flight; XM, the tile max by warp
-# shuffles) run here too.
+# shuffles; WW and WC, warps per workgroup and halves per chunk) run here too.
 @pytest.mark.parametrize("n_heads, head_dim, tile", [(32, 128, ""), (16, 64, ""), (8, 128, ""), (32, 128, "RL=8"),
                                                      (32, 128, "CA=2"), (32, 128, "XM=1"), (32, 128, "RL=8,XM=1"),
-                                                     (32, 128, "CA=2,XM=1")])
+                                                     (32, 128, "CA=2,XM=1"), (32, 128, "WW=6,WC=512"),
+                                                     (16, 64, "WW=3,WC=256")])
 def test_warp_tiles_with_every_warp_busy_match_reference(arch, n_heads, head_dim, tile, monkeypatch):
     if arch == "cpu":
         pytest.skip("the CPU producer has no GPU tiles")

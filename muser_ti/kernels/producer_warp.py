@@ -19,10 +19,11 @@ which is 0.14 wavefronts per FFMA, and 1.4 instructions per FFMA against 2.1.  T
 a head reduce over the RGL lanes that share its head group through the warp's own few floats of
 shared memory.
 
-A warp owns a run of RW = 4 x RGL rows of each 4 x RW-row tile of the workgroup's rows and keeps its
-own running max, sum and accumulators, so on CUDA the warps never wait for each other inside the row
-loop (``ti.simt.warp.sync``): a barrier convoy of 4 warps per chunk is what the block tile pays, with
-2 workgroups an SM.  The 4 warps' summaries are merged once, at the end, in a fixed order.  SPIR-V
+A warp owns a run of RW = 4 x RGL rows of each W x RW-row tile of the workgroup's rows (W = WARPS = 4
+warps, knob WW) and keeps its own running max, sum and accumulators, so on CUDA the warps never wait for
+each other inside the row loop (``ti.simt.warp.sync``): a barrier convoy of 4 warps per chunk is what the
+block tile pays, with 2 workgroups an SM.  The W warps' summaries are merged once, at the end, in a fixed
+order.  SPIR-V
 (Vulkan, Metal) has no warp barrier in Taichi 1.7.4, so there every warp sync is a workgroup barrier:
 the same code, with every loop's trip count uniform across the workgroup.
 
@@ -47,7 +48,14 @@ from .halves import HALVES_PER_WORD, high, low
 from .producer_gpu import item_prologue, owned_rows, udiv, umod
 
 WARP = 32  # lanes that share a warp sync (CUDA); the SPIR-V path syncs the workgroup instead
-WARPS = 4  # per workgroup: 128 threads, the register cap of the block tile (255, see GPU_PRODUCER_THREADS)
+WARPS = 4  # per workgroup: 128 threads, the register cap of the block tile (255, see GPU_PRODUCER_THREADS).
+#           Knob WW: more warps for more than 2 a scheduler (run 19's profile: ~50 % issue, each warp stalled
+#           ~1.8 cycles an instruction).  They cost the registers: with Taichi's .minnctapersm 2, ptxas capped
+#           160 and 192 threads alike at 168 registers (not 204 for 160; ten warps put three on some
+#           scheduler's 16 K registers) and spilled 208-556 B; the tile also grows (160, 192 rows), so the
+#           last of a workgroup's ~1,000 rows at depth fills less of it.  Run 21, CUPTI, one NoPE layer's
+#           producer at 131,072 keys: WW=5 with XM 156.9 us, WW=6 (WC=512) with XM 143.2, against 101.3
+MAX_WARPS = 8  # WW's range: 8 warps cap ptxas at 128 registers, below the 64 accumulators' working set
 HEADS_PER_LANE = 4  # a lane's heads: hg, hg + HGL, ... (one 128-bit load of queries or weights)
 ROWS_PER_LANE = 4  # RL: a lane's score rows, rg, rg + RGL, ...  RL = 8 (knob; 64-row warp tiles, 48,896 B shared)
 #                   halves the once-a-tile work per row and bought nothing at depth (docs/PERF.md run 20): with
@@ -71,13 +79,16 @@ CHUNK_HALVES = 1024  # per warp and chunk: 16 words per lane in flight; K chunk 
 #                     the last V chunk (knob KP, docs/perf/h200/run19/next-tile-prefetch.patch): 254 registers, no
 #                     spills, and no gain, 103.4 against 102.1 us (CUPTI; run 20).  Those latencies are not what
 #                     binds the deep layer (RL above says the same)
+CHUNK_CHOICES = (256, 512, 1024, 2048)  # knob WC: a chunk's halves; 512 halve a warp's buffer, so 6 warps fit
+#                                        48 KiB (and 4 warps would fit Metal's 32 KiB, 29,952 B: not run there)
 CHUNKS_AHEAD = 1  # CA: chunks whose loads are in flight while one is computed (knob CA=2: two, 16 more registers,
 #                    which XM frees; the V phase's first two loads then go out during the K phase's last two
-#                    chunks).  Written for the hypothesis run 20 left: the deep layer moves ~1.3 TB/s with at most
-#                    8 warps x 2 KB in flight an SM (16 KB x 132 / 1.3 TB/s = 1.6 us, about one chunk's compute),
-#                    its top stall is a chunk's conversion waiting on loads issued a chunk earlier, and halving
-#                    the once-a-tile work (RL = 8) did not move it.  Checked on lavapipe (the same bits as CA=1),
-#                    not measured on the H200
+#                    chunks).  Run 20's hypothesis, that loads in flight bind the deep layer, did not hold (run 21,
+#                    CUPTI, one NoPE layer's producer at 131,072 keys): CA=2 110.2 us (255 registers, 100 B
+#                    spilled), CA=2 with XM 106.0 us (254, no spills), against 101.3-101.7.  ncu against XM alone:
+#                    long-scoreboard stalls 0.52 -> 0.45 a warp instruction, but the chunk loop is not unrolled,
+#                    so handing ahead2 to ahead is real MOVs (55.0 -> 57.6 M warp instructions, the top stalled
+#                    instruction a MOV) and fixed-latency waits 0.44 -> 0.59
 PAD = 4  # floats after each K chunk row and query row: rows a warp reads together fall in distinct banks.
 #         A staged word's two halves go out as one STS.64 (ptxas pairs the stores; ncu on one NoPE layer at
 #         131,072 keys, docs/PERF.md run 19: 1.05 M STS.64, shared stores 2.9 M wavefronts against 10.6 M for
@@ -101,7 +112,7 @@ SHUFFLE_MAX = {}  # XM, by arch (0 elsewhere): the tile max of a head over its R
 #                   131,072 keys, CUPTI, two calls, docs/PERF.md run 20), though it frees 20 registers (234
 #                   against 254), which RL = 8 needs to run without spills
 
-WARP_TILE_KNOBS = ("WU", "XM", "RL", "CA")  # MUSER_GPU_TILE's knobs that warp_tile_plan takes
+WARP_TILE_KNOBS = ("WU", "XM", "RL", "CA", "WW", "WC")  # MUSER_GPU_TILE's knobs that warp_tile_plan takes
 
 
 @dataclass(frozen=True)
@@ -122,15 +133,23 @@ class WarpTilePlan:
     XM: int = 0  # the tile max across a head group's lanes by warp shuffles (CUDA), not through shared memory
     RL: int = ROWS_PER_LANE  # score rows per lane
     CA: int = 1  # chunks of K/V loads in flight ahead of the one being stored (CHUNKS_AHEAD says why)
+    W: int = WARPS  # warps per workgroup
+    CH: int = CHUNK_HALVES  # halves per warp and chunk
     T: int = WARP * WARPS
 
 
 def warp_tile_plan(G: int, D: int, budget: int, WU: int | None = None, arch: str | None = None,
-                   XM: int | None = None, RL: int = ROWS_PER_LANE, CA: int = CHUNKS_AHEAD) -> WarpTilePlan | None:
+                   XM: int | None = None, RL: int = ROWS_PER_LANE, CA: int = CHUNKS_AHEAD, WW: int = WARPS,
+                   WC: int = CHUNK_HALVES) -> WarpTilePlan | None:
     """The warp tile for G heads per KV head at head_dim D within ``budget`` bytes of shared memory, or
     None where it does not apply (the block tile runs there); pure arithmetic, tested.  WU and XM default
     to UNROLL's and SHUFFLE_MAX's for ``arch`` (the active backend's when None); RL: score rows per lane;
-    CA: chunks in flight ahead (CHUNKS_AHEAD)."""
+    CA: chunks in flight ahead (CHUNKS_AHEAD); WW: warps per workgroup (WARPS); WC: halves per warp and
+    chunk (CHUNK_HALVES)."""
+    if not 1 <= WW <= MAX_WARPS:
+        raise ValueError(f"warp tile WW={WW}: expected 1 to {MAX_WARPS} warps per workgroup")
+    if WC not in CHUNK_CHOICES:
+        raise ValueError(f"warp tile WC={WC}: expected one of {CHUNK_CHOICES} halves per warp and chunk")
     if RL not in (4, 8):
         raise ValueError(f"warp tile RL={RL}: expected 4 or 8 score rows per lane")
     if CA not in (1, 2):
@@ -155,20 +174,20 @@ def warp_tile_plan(G: int, D: int, budget: int, WU: int | None = None, arch: str
     VD = D // RGL
     if HEADS_PER_LANE * VD > MAX_ACCUMULATORS or VD % 4 or D % (4 * RGL):
         return None
-    DC, VR = CHUNK_HALVES // RW, CHUNK_HALVES // D
+    DC, VR = WC // RW, WC // D
     if DC < 4 or DC % 4 or D % DC or VR < 1 or RW % VR:
         return None
     buf = max(RW * (DC + PAD), VR * D)
-    floats = G * (D + PAD) + WARPS * (buf + RW * G + RGL * G + 2 * G)
-    shared = 4 * (floats + WARPS * RW)
+    floats = G * (D + PAD) + WW * (buf + RW * G + RGL * G + 2 * G)
+    shared = 4 * (floats + WW * RW)
     if shared > budget:
         return None
-    return WarpTilePlan(G, D, HGL, RGL, RW, DC, VR, VD, buf, shared, WU, XM, RL, CA)
+    return WarpTilePlan(G, D, HGL, RGL, RW, DC, VR, VD, buf, shared, WU, XM, RL, CA, WW, WC, WARP * WW)
 
 
 def describe_warp_tile(p: WarpTilePlan, budget: int) -> str:
     """A warp tile in words (producer.describe_plans prints one per backend)."""
-    return (f"warp tiles, {p.T} threads, each warp its own {p.RW} rows of a {WARPS * p.RW}-row tile; scores "
+    return (f"warp tiles, {p.T} threads, each warp its own {p.RW} rows of a {p.W * p.RW}-row tile; scores "
             f"{HEADS_PER_LANE} heads x {p.RL} rows and values {HEADS_PER_LANE} heads x {p.VD} dims per "
             f"lane; K chunks of {p.DC} dims, V chunks of {p.VR} rows, loops unrolled x{p.WU}; "
             f"{p.shared_bytes / 1024:.1f} of {budget // 1024} KiB shared")
@@ -179,11 +198,11 @@ def warp_shared_arrays(plan: WarpTilePlan) -> tuple:
     producer_gpu.shared_arrays says why)."""
     p = plan
     return (ti.simt.block.SharedArray((p.G * (p.D + PAD),), ti.f32),  # q_sh [h][D + PAD]; at the end, O
-            ti.simt.block.SharedArray((WARPS * p.BUF,), ti.f32),  # per warp: K chunk [RW][DC+PAD] | V [VR][D]
-            ti.simt.block.SharedArray((WARPS * p.RW * p.G,), ti.f32),  # per warp: weights [row][lane head order]
-            ti.simt.block.SharedArray((WARPS * p.RGL * p.G,), ti.f32),  # per warp: [row group][lane head order]
-            ti.simt.block.SharedArray((WARPS * 2 * p.G,), ti.f32),  # per warp: M, S (the final merge)
-            ti.simt.block.SharedArray((WARPS * p.RW,), ti.i32))  # per warp: its tile rows' flat plane indices
+            ti.simt.block.SharedArray((p.W * p.BUF,), ti.f32),  # per warp: K chunk [RW][DC+PAD] | V [VR][D]
+            ti.simt.block.SharedArray((p.W * p.RW * p.G,), ti.f32),  # per warp: weights [row][lane head order]
+            ti.simt.block.SharedArray((p.W * p.RGL * p.G,), ti.f32),  # per warp: [row group][lane head order]
+            ti.simt.block.SharedArray((p.W * 2 * p.G,), ti.f32),  # per warp: M, S (the final merge)
+            ti.simt.block.SharedArray((p.W * p.RW,), ti.i32))  # per warp: its tile rows' flat plane indices
 
 
 def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused_store: bool, layer_base: int = 0,
@@ -193,15 +212,15 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
     p = plan
     G, D, C = p.G, p.D, BLOCK_ROWS
     HGL, RGL, RW, DC, VR, VD, BUF = p.HGL, p.RGL, p.RW, p.DC, p.VR, p.VD, p.BUF
-    HL, RL = HEADS_PER_LANE, p.RL
+    HL, RL, W = HEADS_PER_LANE, p.RL, p.W
     KS, QS = DC + PAD, D + PAD  # strides of a K chunk row and a query row
     DCW, DW = DC // HALVES_PER_WORD, D // HALVES_PER_WORD  # words per K chunk row, per V row
-    LOADS = CHUNK_HALVES // (HALVES_PER_WORD * WARP)  # words per lane per chunk
+    LOADS = p.CH // (HALVES_PER_WORD * WARP)  # words per lane per chunk
     NKC, NVC = D // DC, RW // VR
-    TILE = WARPS * RW
+    TILE = W * RW
     assert WARP % DCW == 0 and DW % WARP == 0, (DCW, DW)  # a lane's chunk cells are static offsets
     warp_barrier = backend.active() == "cuda"
-    prologue = item_prologue(at, DW, WARP * WARPS, fused_store, layer_base, slot_is_group)
+    prologue = item_prologue(at, DW, p.T, fused_store, layer_base, slot_is_group)
     SU = max(u for u in range(1, p.WU + 1) if (DC // 4) % u == 0)  # unrolled score steps
     VU = max(u for u in range(1, p.WU + 1) if VR % u == 0)  # unrolled value rows
 
@@ -298,7 +317,7 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
         e = tid
         while e < G * D:
             q_sh[udiv(e, D) * QS + umod(e, D)] = q[layer, kvh * G + udiv(e, D), umod(e, D)]
-            e += WARP * WARPS
+            e += p.T
         run, n_own, o_cur = owned_rows(visible, wg, nwg, nsg)
         ti.simt.block.sync()
 
@@ -422,20 +441,20 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
                 state[w * 2 * G + hg * HL + hi] = m[hi]
                 state[w * 2 * G + G + hg * HL + hi] = lsum[hi]
         ti.simt.block.sync()  # every warp is past its rows: q_sh is free for the merge of O
-        # merge the 4 warps in order: M = max M_w, S = sum S_w f_w, O = sum O_w f_w with f_w = exp(M_w - M)
+        # merge the W warps in order: M = max M_w, S = sum S_w f_w, O = sum O_w f_w with f_w = exp(M_w - M)
         fw = ti.Vector([0.0] * HL)
         for hi in ti.static(range(HL)):
             gmax = state[hg * HL + hi]
-            for u in ti.static(range(1, WARPS)):
+            for u in ti.static(range(1, W)):
                 gmax = ti.max(gmax, state[u * 2 * G + hg * HL + hi])
             fw[hi] = ti.exp(m[hi] - gmax)
             if w == 0 and rg == 0:
                 total = 0.0
-                for u in ti.static(range(WARPS)):
+                for u in ti.static(range(W)):
                     total += state[u * 2 * G + G + hg * HL + hi] * ti.exp(state[u * 2 * G + hg * HL + hi] - gmax)
                 partials[g, kvh * G + hg + HGL * hi, wg, 0] = gmax
                 partials[g, kvh * G + hg + HGL * hi, wg, 1] = total
-        for u in ti.static(range(WARPS)):
+        for u in ti.static(range(W)):
             if w == u:
                 for hi in ti.static(range(HL)):
                     for jj in ti.static(range(VD // 4)):
@@ -444,11 +463,11 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
                             val = acc[hi, 4 * jj + e] * fw[hi]
                             if ti.static(u > 0):
                                 val = q_sh[(hg * HL + hi) * D + d] + val
-                            if ti.static(u < WARPS - 1):
+                            if ti.static(u < W - 1):
                                 q_sh[(hg * HL + hi) * D + d] = val
                             else:
                                 partials[g, kvh * G + hg + HGL * hi, wg, 2 + d] = val
-            if ti.static(u < WARPS - 1):
+            if ti.static(u < W - 1):
                 ti.simt.block.sync()
 
     return work
