@@ -11,11 +11,19 @@ import taichi as ti
 
 from .common import MAX_WORKGROUPS, cached, f32_4d, i32_1d
 
-GPU_PARTIALS_IN_FLIGHT = 16  # U: partials a GPU reducer thread loads before it uses them.  A layer's reducer is
+GPU_PARTIALS_IN_FLIGHT = 32  # U: partials a GPU reducer thread loads before it uses them.  A layer's reducer is
 #                              H x D threads (4,096 for Glimmer: one warp per SM), so nothing but a thread's own
 #                              loads can hide their latency.  One NoPE layer's reducer on the H200 (CUPTI, run
 #                              13) at 132 / 64 workgroups: 18.5 / 11.4 us one partial per loop trip (~12 % of
-#                              the layer at 131,072 keys), 11.5 / 7.9 us at U = 8, 11.0 / 7.7 us at U = 16
+#                              the layer at 131,072 keys), 11.5 / 7.9 us at U = 8, 11.0 / 7.7 us at U = 16, with
+#                              the partials past the last whole batch merged one per trip.  Those tails were
+#                              most of the round trips left: at 132 workgroups 8 batches and 3 single loads for
+#                              the max, 8 and 4 for the sums (23); at 64, 3 and 15, then 4 (22), which is why
+#                              64 cost 7.7 us for half the partials.  Now the tail is one more batch whose
+#                              reads past the split re-read the last partial and weigh 0, and U = 32, UM = 64:
+#                              3 + 5 round trips at 132 workgroups, 1 + 2 at 64 (predicted ~4-5 / ~3 us; not
+#                              yet measured on the H200)
+GPU_MAXES_IN_FLIGHT = 64  # UM: the maxes a thread loads at once in the first pass (one value a partial)
 
 
 def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: int = 0):
@@ -24,7 +32,7 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: 
     why); 0: the bound is computed from n_group."""
     D, H = head_dim, n_heads
     W = MAX_WORKGROUPS
-    U = GPU_PARTIALS_IN_FLIGHT
+    U, UM = GPU_PARTIALS_IN_FLIGHT, GPU_MAXES_IN_FLIGHT
 
     def build():
         out_t = ti.types.ndarray(dtype=out_dtype, ndim=3)
@@ -38,15 +46,13 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: 
 
         @ti.func
         def global_max_batched(partials: ti.template(), g, h, nwg):
-            """global_max, U loads at a time (a max of finite values: any order gives the same bits)."""
+            """global_max, UM loads at a time; the last batch's reads past nwg re-read partial nwg - 1 (a
+            max of finite values: any order and any repeat give the same bits)."""
             gmax = partials[g, h, 0, 0]
-            n_batches = (nwg - 1) // U
-            for j in range(n_batches):
-                ms = ti.Vector([partials[g, h, 1 + j * U + u, 0] for u in ti.static(range(U))])
-                for u in ti.static(range(U)):
+            for j in range((nwg + UM - 1) // UM):
+                ms = ti.Vector([partials[g, h, ti.min(j * UM + u, nwg - 1), 0] for u in ti.static(range(UM))])
+                for u in ti.static(range(UM)):
                     gmax = ti.max(gmax, ms[u])
-            for i in range(1 + n_batches * U, nwg):
-                gmax = ti.max(gmax, partials[g, h, i, 0])
             return gmax
 
         @ti.func
@@ -56,27 +62,24 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: 
             d = t % D.
             Each thread takes the max and the factors exp(M_i - gmax) of its head itself (nwg loads of M, S
             and O[d] each, the first two broadcast across the warp), U partials loaded ahead of their sums,
-            which run in the CPU reducer's order; no shared memory, so the one-dispatch step can run it
+            which run in the CPU reducer's order (the last batch's reads past nwg weigh 0); no shared memory, so the one-dispatch step can run it
             beside the producers' task (producer_gpu.shared_arrays says why that matters).  ``write`` = 0
             leaves ``out`` as it was (a token the scan refused)."""
             item, d = t // D, t % D
             g, h = item // H, item % H
             gmax = global_max_batched(partials, g, h, nwg)
             total, acc = 0.0, 0.0
-            n_batches = nwg // U
-            for j in range(n_batches):
+            for j in range((nwg + U - 1) // U):
                 i0 = j * U
-                ms = ti.Vector([partials[g, h, i0 + u, 0] for u in ti.static(range(U))])
-                ss = ti.Vector([partials[g, h, i0 + u, 1] for u in ti.static(range(U))])
-                os = ti.Vector([partials[g, h, i0 + u, 2 + d] for u in ti.static(range(U))])
+                ms = ti.Vector([partials[g, h, ti.min(i0 + u, nwg - 1), 0] for u in ti.static(range(U))])
+                ss = ti.Vector([partials[g, h, ti.min(i0 + u, nwg - 1), 1] for u in ti.static(range(U))])
+                os = ti.Vector([partials[g, h, ti.min(i0 + u, nwg - 1), 2 + d] for u in ti.static(range(U))])
                 for u in ti.static(range(U)):
                     f = ti.exp(ms[u] - gmax)
+                    if i0 + u >= nwg:  # a re-read past the split: weight 0 adds +0.0, so the sums keep their bits
+                        f = 0.0
                     total += ss[u] * f
                     acc += os[u] * f
-            for i in range(n_batches * U, nwg):
-                f = ti.exp(partials[g, h, i, 0] - gmax)
-                total += partials[g, h, i, 1] * f
-                acc += partials[g, h, i, 2 + d] * f
             inv = 1.0 / total if total > 0.0 else 0.0
             if write:
                 out[layers[layer_base + g], h, d] = ti.cast(acc * inv, out_dtype)
