@@ -9,7 +9,8 @@ from muser_ti.kernels.common import MAX_WORKGROUPS, RUNNING_MAX_INIT, on_gpu
 from muser_ti.kernels.merge import build_reduce
 
 D, H, LAYERS = 64, 4, 3
-# around the GPU batches (16, 32, 64 partials) and up to a deep split's 264; the CPU merges at most 32
+# both sides of the GPU reducer's batches (32 and 64 partials; 16 before run 21) up to a deep split's 264; the
+# CPU reducer merges at most MAX_WORKGROUPS
 GPU_WIDTHS = (1, 2, 15, 16, 17, 31, 33, 63, 64, 65, 100, 132, 264)
 CPU_WIDTHS = (1, 2, 15, 31, MAX_WORKGROUPS)
 

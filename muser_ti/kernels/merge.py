@@ -62,8 +62,9 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: 
             d = t % D.
             Each thread takes the max and the factors exp(M_i - gmax) of its head itself (nwg loads of M, S
             and O[d] each, the first two broadcast across the warp), U partials loaded ahead of their sums,
-            which run in the CPU reducer's order (the last batch's reads past nwg weigh 0); no shared memory, so the one-dispatch step can run it
-            beside the producers' task (producer_gpu.shared_arrays says why that matters).  ``write`` = 0
+            which run in the CPU reducer's order (the last batch's reads past nwg weigh 0); no shared
+            memory, so the one-dispatch step can run it beside the producers' task (producer_gpu.shared_arrays
+            says why that matters).  ``write`` = 0
             leaves ``out`` as it was (a token the scan refused)."""
             item, d = t // D, t % D
             g, h = item // H, item % H

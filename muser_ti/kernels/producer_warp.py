@@ -23,9 +23,8 @@ A warp owns a run of RW = 4 x RGL rows of each W x RW-row tile of the workgroup'
 warps, knob WW) and keeps its own running max, sum and accumulators, so on CUDA the warps never wait for
 each other inside the row loop (``ti.simt.warp.sync``): a barrier convoy of 4 warps per chunk is what the
 block tile pays, with 2 workgroups an SM.  The W warps' summaries are merged once, at the end, in a fixed
-order.  SPIR-V
-(Vulkan, Metal) has no warp barrier in Taichi 1.7.4, so there every warp sync is a workgroup barrier:
-the same code, with every loop's trip count uniform across the workgroup.
+order.  SPIR-V (Vulkan, Metal) has no warp barrier in Taichi 1.7.4, so there every warp sync is a
+workgroup barrier: the same code, with every loop's trip count uniform across the workgroup.
 
 K and V are staged through each warp's buffer in chunks of CHUNK_HALVES halves (K: RW rows x DC dims,
 V: VR rows x D), loaded a chunk ahead and kept packed (u32 words, halves.py) until they are stored,
