@@ -45,12 +45,17 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: 
             return gmax
 
         @ti.func
+        def in_split(i, nwg):
+            """Partial i of a batch, or the split's last where a batch runs past it (weight 0 in the sums)."""
+            return ti.min(i, nwg - 1)
+
+        @ti.func
         def global_max_batched(partials: ti.template(), g, h, nwg):
             """global_max, UM loads at a time; the last batch's reads past nwg re-read partial nwg - 1 (a
             max of finite values: any order and any repeat give the same bits)."""
             gmax = partials[g, h, 0, 0]
             for j in range((nwg + UM - 1) // UM):
-                ms = ti.Vector([partials[g, h, ti.min(j * UM + u, nwg - 1), 0] for u in ti.static(range(UM))])
+                ms = ti.Vector([partials[g, h, in_split(j * UM + u, nwg), 0] for u in ti.static(range(UM))])
                 for u in ti.static(range(UM)):
                     gmax = ti.max(gmax, ms[u])
             return gmax
@@ -72,9 +77,9 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: 
             total, acc = 0.0, 0.0
             for j in range((nwg + U - 1) // U):
                 i0 = j * U
-                ms = ti.Vector([partials[g, h, ti.min(i0 + u, nwg - 1), 0] for u in ti.static(range(U))])
-                ss = ti.Vector([partials[g, h, ti.min(i0 + u, nwg - 1), 1] for u in ti.static(range(U))])
-                os = ti.Vector([partials[g, h, ti.min(i0 + u, nwg - 1), 2 + d] for u in ti.static(range(U))])
+                ms = ti.Vector([partials[g, h, in_split(i0 + u, nwg), 0] for u in ti.static(range(U))])
+                ss = ti.Vector([partials[g, h, in_split(i0 + u, nwg), 1] for u in ti.static(range(U))])
+                os = ti.Vector([partials[g, h, in_split(i0 + u, nwg), 2 + d] for u in ti.static(range(U))])
                 for u in ti.static(range(U)):
                     f = ti.exp(ms[u] - gmax)
                     if i0 + u >= nwg:  # a re-read past the split: weight 0 adds +0.0, so the sums keep their bits

@@ -37,7 +37,7 @@ Where it applies (warp_tile_plan): 4 heads per lane (G % 4 == 0), head groups th
 Every other geometry takes the block tile.  MUSER_GPU_TILE=WT=0 forces the block tile (tune_gpu.py).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import taichi as ti
 
@@ -134,7 +134,10 @@ class WarpTilePlan:
     CA: int = 1  # chunks of K/V loads in flight ahead of the one being stored (CHUNKS_AHEAD says why)
     W: int = WARPS  # warps per workgroup
     CH: int = CHUNK_HALVES  # halves per warp and chunk
-    T: int = WARP * WARPS
+    T: int = field(init=False)  # threads per workgroup, WARP x W
+
+    def __post_init__(self):
+        object.__setattr__(self, "T", WARP * self.W)  # derived, so a plan cannot disagree with its warps
 
 
 def warp_tile_plan(G: int, D: int, budget: int, WU: int | None = None, arch: str | None = None,
@@ -181,7 +184,7 @@ def warp_tile_plan(G: int, D: int, budget: int, WU: int | None = None, arch: str
     shared = 4 * (floats + WW * RW)
     if shared > budget:
         return None
-    return WarpTilePlan(G, D, HGL, RGL, RW, DC, VR, VD, buf, shared, WU, XM, RL, CA, WW, WC, WARP * WW)
+    return WarpTilePlan(G, D, HGL, RGL, RW, DC, VR, VD, buf, shared, WU, XM, RL, CA, WW, WC)
 
 
 def describe_warp_tile(p: WarpTilePlan, budget: int) -> str:
