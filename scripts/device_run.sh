@@ -11,7 +11,7 @@
 #   kernel after a producer change: CUDA layers at two workgroup targets, and ncu on one deep layer
 #   tune   tile variants of the GPU producer in one process, with ptxas -v on each (scripts/tune_gpu.py)
 #   ncu    ncu's counters on one NoPE layer at 131,072 keys
-#   stalls ncu's stall reasons for that layer's producer, and its SASS lines by stall samples
+#   stalls ncu's stall reasons for that layer's producer (or STALLS_KERNEL), and its SASS lines by stall samples
 #   hoststep  where a 52-layer step's wall time goes on CUDA and Vulkan; Vulkan tile variants by wall time
 #   trace  a CUDA step's timeline through torch.profiler (kernels, gaps, driver calls) and its Python time
 #   cudaab CUDA steps on the tree in $AB_OLD and on this one
@@ -36,7 +36,7 @@
 #          time to compile; the rest at 2,048 keys), so a figure is seen across processes and hosts' speeds
 #   storeab  stall profiles (ncu) of the default tile and of STOREAB_TILE, tile variants (tune) between them
 #   kernelab  after a kernel change: CUDA layers (CUPTI) on $AB_OLD and this tree, twice in alternation,
-#          ncu on one deep layer on both, and the PTX's plane loads on this tree
+#          ncu on one deep layer on both, and the PTX's plane loads on this tree (AB_NCU=0: the layers only)
 # Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for
 # `tests` in parallel) and .gl (libvulkan1...).
 set -uo pipefail
@@ -178,9 +178,9 @@ fi
 SHARED_METRICS=l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum
 SHARED_METRICS+=,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum
 if [ "$what" = stalls ]; then  # why warps wait: ncu's stall reasons, the shared pipe's wavefronts, and the SASS lines
-  # they sample most (MUSER_GPU_TILE picks the tile)
+  # they sample most (MUSER_GPU_TILE picks the tile; STALLS_KERNEL=reduce profiles the layer's reducer instead)
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  timeout 200 "$ncu" --clock-control none -k regex:producer --launch-skip 3 --launch-count 1 --import-source no \
+  timeout 200 "$ncu" --clock-control none -k regex:${STALLS_KERNEL:-producer} --launch-skip 3 --launch-count 1 --import-source no \
     --section WarpStateStats --section SourceCounters --section LaunchStats --metrics "$SHARED_METRICS" \
     -f -o "$OUT/stalls" python3 scripts/bench.py \
     --arch cuda --mode layers --layer-depths 131072 --routes interleaved --repeats 2 > "$OUT/stalls.log" 2>&1
@@ -236,13 +236,15 @@ if [ "$what" = kernelab ]; then  # AB_OLD=build/ab_old, as hostab
     ab_bench cuda-layers-$round timeout 120 python3 scripts/bench.py --arch cuda --mode layers \
       --layer-depths ${AB_DEPTHS:-2048,32768,131072} --routes ${AB_ROUTES:-interleaved,splitk} --repeats 15 --json @JSON@
   done
-  ncu_layer old "$AB_OLD"
-  ncu_layer new
-  (cd /tmp && MUSER_TI_PRINT_ASM=1 PYTHONPATH=/tmp/site:$OLDPWD timeout 120 python3 $OLDPWD/scripts/bench.py --arch cuda \
-    --mode layers --layer-depths 2048 --routes interleaved --repeats 2 > /dev/null 2>&1
-   for f in taichi_kernel_nvptx_*.ptx; do grep -q "\.entry producer" "$f" || continue
-     echo "$f: $(grep -cE 'ld(\.global)?\.(b16|u16)' "$f") 16-bit loads, $(grep -cE 'ld(\.global)?\.(b32|u32)' "$f") 32-bit loads"
-   done)
+  if [ "${AB_NCU:-1}" != 0 ]; then  # AB_NCU=0: the layers only (the reducer's time is in their CUPTI kernel_us)
+    ncu_layer old "$AB_OLD"
+    ncu_layer new
+    (cd /tmp && MUSER_TI_PRINT_ASM=1 PYTHONPATH=/tmp/site:$OLDPWD timeout 120 python3 $OLDPWD/scripts/bench.py --arch cuda \
+      --mode layers --layer-depths 2048 --routes interleaved --repeats 2 > /dev/null 2>&1
+     for f in taichi_kernel_nvptx_*.ptx; do grep -q "\.entry producer" "$f" || continue
+       echo "$f: $(grep -cE 'ld(\.global)?\.(b16|u16)' "$f") 16-bit loads, $(grep -cE 'ld(\.global)?\.(b32|u32)' "$f") 32-bit loads"
+     done)
+  fi
 fi
 if [ "$what" = warpab ]; then  # one process per tile and round, alternating, so host drift shows as a round spread
   TUNE_VARIANTS=";WT=0" TUNE_DEPTHS=${WARPAB_TUNE_DEPTHS:-2048,131072} bash "$0" tune
