@@ -245,8 +245,12 @@ def gpu_layer(base, route, depth, arch, rng, repeats, torch) -> dict:
     profiled = os.environ.get("MUSER_TI_KERNEL_PROFILER") == "1"
     nwg, nsg = eng.split_geometry(depth, 1)
     row = {"depth": depth, "visible": depth, "workgroups": nwg, "simdgroups": nsg}
-    if torch is not None and arch == "cuda" and not profiled:
-        trace = cupti_layer_row(eng, route, repeats)
+    trace = cupti_layer_row(eng, route, repeats) if torch is not None and arch == "cuda" and not profiled else None
+    if trace is not None and trace["gpu_busy_us"] == 0:  # ncu holds CUPTI while it profiles (device_run.sh stalls)
+        print(f"{route} at {depth}: CUPTI saw no kernels (another profiler attached?); timing wall instead",
+              file=sys.stderr)
+        trace = None
+    if trace is not None:
         row.update({"what": f"1 layer {route} (GPU busy, CUPTI)", "ours_ms": trace["gpu_busy_us"] * 1e-3,
                     "kernel_us": trace["kernel_us"], "host_wall_ms": trace["wall_us"] * 1e-3})
     else:
