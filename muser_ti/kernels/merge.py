@@ -21,8 +21,12 @@ GPU_PARTIALS_IN_FLIGHT = 32  # U: partials a GPU reducer thread loads before it 
 #                              the max, 8 and 4 for the sums (23); at 64, 3 and 15, then 4 (22), which is why
 #                              64 cost 7.7 us for half the partials.  Now the tail is one more batch whose
 #                              reads past the split re-read the last partial and weigh 0, and U = 32, UM = 64:
-#                              3 + 5 round trips at 132 workgroups, 1 + 2 at 64 (predicted ~4-5 / ~3 us; not
-#                              yet measured on the H200)
+#                              3 + 5 round trips at 132 workgroups, 1 + 2 at 64.  Predicted ~4-5 us at 132;
+#                              measured 11.6 -> 9.1 us (run 22): each trip cost ~0.15 us, not ~0.5, since U
+#                              loads in flight hid most of it.  What is left is a thread's serial stream (6,246
+#                              warp instructions, one warp per scheduler, on 32 of 132 SMs; 35 % address math,
+#                              40 % weights every one of a head's D threads recomputes): spreading a value's
+#                              partials over more threads would cut it, and needs shared values (PERF.md run 22)
 GPU_MAXES_IN_FLIGHT = 64  # UM: the maxes a thread loads at once in the first pass (one value a partial)
 
 
