@@ -44,7 +44,7 @@ import taichi as ti
 from .. import backend
 from .common import BLOCK_ROWS, RUNNING_MAX_INIT, VISIT_OWNER
 from .halves import HALVES_PER_WORD, high, low
-from .producer_gpu import QUERY_LOADS_IN_FLIGHT, item_prologue, owned_rows, query_stager, udiv, umod
+from .producer_gpu import item_prologue, owned_rows, udiv, umod
 
 WARP = 32  # lanes that share a warp sync (CUDA); the SPIR-V path syncs the workgroup instead
 WARPS = 4  # per workgroup: 128 threads, the register cap of the block tile (255, see GPU_PRODUCER_THREADS).
@@ -220,11 +220,9 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
     LOADS = p.CH // (HALVES_PER_WORD * WARP)  # words per lane per chunk
     NKC, NVC = D // DC, RW // VR
     TILE = W * RW
-    OUT_TRIPS = -(-(G * D) // p.T)  # a thread's share of the G x D output
     assert WARP % DCW == 0 and DW % WARP == 0, (DCW, DW)  # a lane's chunk cells are static offsets
     warp_barrier = backend.active() == "cuda"
     prologue = item_prologue(at, DW, p.T, fused_store, layer_base, slot_is_group)
-    stage_queries = query_stager(G, D, p.T, QS)
     SU = max(u for u in range(1, p.WU + 1) if (DC // 4) % u == 0)  # unrolled score steps
     VU = max(u for u in range(1, p.WU + 1) if VR % u == 0)  # unrolled value rows
 
@@ -318,7 +316,10 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
         w, lane = udiv(tid, WARP), umod(tid, WARP)
         hg, rg = umod(lane, HGL), udiv(lane, HGL)  # heads hg + HGL*i; score rows rg + RGL*j; dims 4*rg + 4*RGL*jj
         wbuf, wrow, wpart, wwt = w * BUF, w * RW, w * RGL * G, w * RW * G
-        stage_queries(q, q_sh, layer, kvh * G, tid)
+        e = tid
+        while e < G * D:
+            q_sh[udiv(e, D) * QS + umod(e, D)] = q[layer, kvh * G + udiv(e, D), umod(e, D)]
+            e += p.T
         run, n_own, o_cur = owned_rows(visible, wg, nwg, nsg)
         ti.simt.block.sync()
 
@@ -455,7 +456,7 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
                     total += state[u * 2 * G + G + hg * HL + hi] * ti.exp(state[u * 2 * G + hg * HL + hi] - gmax)
                 partials[g, kvh * G + hg + HGL * hi, wg, 0] = gmax
                 partials[g, kvh * G + hg + HGL * hi, wg, 1] = total
-        for u in ti.static(range(W)):  # into q_sh [lane head order hg * HL + hi][D]
+        for u in ti.static(range(W)):
             if w == u:
                 for hi in ti.static(range(HL)):
                     for jj in ti.static(range(VD // 4)):
@@ -464,21 +465,12 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
                             val = acc[hi, 4 * jj + e] * fw[hi]
                             if ti.static(u > 0):
                                 val = q_sh[(hg * HL + hi) * D + d] + val
-                            q_sh[(hg * HL + hi) * D + d] = val
-            ti.simt.block.sync()
-        # O out by every thread, consecutive threads on consecutive dims, each reading its values before its
-        # stores: one warp writing its 4 x VD values itself paid a reload of the ndarray's shape and pointer
-        # after every store (LLVM cannot rule out aliasing), ~4 % of the stall samples (run 21, 0xf800 on)
-        for b0 in ti.static(range(0, OUT_TRIPS, QUERY_LOADS_IN_FLIGHT)):
-            nb = ti.static(min(QUERY_LOADS_IN_FLIGHT, OUT_TRIPS - b0))
-            vals = ti.Vector([0.0] * nb)
-            for k in ti.static(range(nb)):
-                vals[k] = q_sh[ti.min(tid + p.T * (b0 + k), G * D - 1)]
-            for k in ti.static(range(nb)):
-                e = tid + p.T * (b0 + k)
-                if e < G * D:
-                    i = udiv(e, D)  # lane head order: head udiv(i, HL) + HGL * umod(i, HL)
-                    partials[g, kvh * G + udiv(i, HL) + HGL * umod(i, HL), wg, 2 + umod(e, D)] = vals[k]
+                            if ti.static(u < W - 1):
+                                q_sh[(hg * HL + hi) * D + d] = val
+                            else:
+                                partials[g, kvh * G + hg + HGL * hi, wg, 2 + d] = val
+            if ti.static(u < W - 1):
+                ti.simt.block.sync()
 
     return work
 
