@@ -35,6 +35,7 @@
 #   spread CUDA steps on the default build in SPREAD_ROUNDS processes (the first at 2,048 and 131,072 keys, with
 #          time to compile; the rest at 2,048 keys), so a figure is seen across processes and hosts' speeds
 #   storeab  stall profiles (ncu) of the default tile and of STOREAB_TILE, tile variants (tune) between them
+#   treeab CUDA layers (CUPTI) on each tree in AB_TREES (":"-separated, "." this one), AB_ROUNDS rounds in alternation
 #   kernelab  after a kernel change: CUDA layers (CUPTI) on $AB_OLD and this tree, twice in alternation,
 #          ncu on one deep layer on both, and the PTX's plane loads on this tree (AB_NCU=0: the layers only)
 # Results and logs land in $OUT.  Carry: .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for
@@ -245,6 +246,18 @@ if [ "$what" = kernelab ]; then  # AB_OLD=build/ab_old, as hostab
        echo "$f: $(grep -cE 'ld(\.global)?\.(b16|u16)' "$f") 16-bit loads, $(grep -cE 'ld(\.global)?\.(b32|u32)' "$f") 32-bit loads"
      done)
   fi
+fi
+if [ "$what" = treeab ]; then  # AB_TREES (":"-separated; "." is this tree): CUDA layers (CUPTI) on each tree, one process
+  # per tree and round, AB_ROUNDS rounds in alternation, so a tree's figure is seen across processes
+  IFS=':' read -r -a trees <<< "${AB_TREES:-$AB_OLD:.}"
+  for round in $(seq 1 ${AB_ROUNDS:-2}); do
+    for tree in "${trees[@]}"; do
+      tag=$([ "$tree" = . ] && echo head || basename "$tree")
+      (cd "$tree" && export PYTHONPATH=/tmp/site:$PWD && bench "$tag-layers-$round" timeout ${AB_TIMEOUT:-150} python3 \
+        scripts/bench.py --arch cuda --mode layers --layer-depths ${AB_DEPTHS:-2048,32768,131072} \
+        --routes ${AB_ROUTES:-interleaved} --repeats 15 --json "$OUT/$tag-layers-$round.json")
+    done
+  done
 fi
 if [ "$what" = warpab ]; then  # one process per tile and round, alternating, so host drift shows as a round spread
   TUNE_VARIANTS=";WT=0" TUNE_DEPTHS=${WARPAB_TUNE_DEPTHS:-2048,131072} bash "$0" tune
