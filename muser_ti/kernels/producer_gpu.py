@@ -116,6 +116,40 @@ def umod(x, n: ti.template()):
         return ti.raw_mod(x, n)
 
 
+QUERY_LOADS_IN_FLIGHT = 16  # a thread's query loads issued before their stores to shared memory.  A loop of one
+#                            load and one store issued them two at a time, since every store to shared memory
+#                            made LLVM reload the ndarray's shape and pointer (a generic pointer may alias
+#                            them): 16 dependent round trips per thread, 6 % of the warp tile's stall samples
+#                            at 131,072 keys (docs/PERF.md run 21's profile, the span at 0x1800).  Measured
+#                            (run 24, CUPTI, warp tile, one NoPE layer's producer, 2 processes each): 20.7 ->
+#                            18.0 us at 2,048 keys, 33.3 -> 30.3 at 32,768, 101.3 -> 96.1 at 131,072.  The block
+#                            tile takes it too (same bits on lavapipe), not timed on the H200
+
+
+def query_stager(G: int, D: int, T: int, stride: int):
+    """A ti.func copying one KV head's G x D f32 queries into shared memory (``q_sh[h * stride + d]``),
+    each of T threads loading up to QUERY_LOADS_IN_FLIGHT of them before it stores any."""
+    n = G * D
+    trips = -(-n // T)
+
+    @ti.func
+    def stage(q: ti.template(), q_sh: ti.template(), layer, head0, tid):
+        for b0 in ti.static(range(0, trips, QUERY_LOADS_IN_FLIGHT)):
+            nb = ti.static(min(QUERY_LOADS_IN_FLIGHT, trips - b0))
+            vals = ti.Vector([0.0] * nb)
+            for k in ti.static(range(nb)):  # clamped: the last trip's spare threads re-read element n - 1
+                e = ti.min(tid + T * (b0 + k), n - 1)
+                vals[k] = q[layer, head0 + udiv(e, D), umod(e, D)]
+            for k in ti.static(range(nb)):
+                e = tid + T * (b0 + k)
+                if ti.static(T * (b0 + k + 1) <= n):
+                    q_sh[udiv(e, D) * stride + umod(e, D)] = vals[k]
+                elif e < n:
+                    q_sh[udiv(e, D) * stride + umod(e, D)] = vals[k]
+
+    return stage
+
+
 @ti.func
 def owned_rows(visible, wg, nwg, nsg):
     """(run, n_own, o_cur) of workgroup wg: it owns runs wg, wg + nwg, ... of ``run = nsg`` blocks of the
@@ -287,6 +321,7 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
     SCORE_THREADS, VALUE_THREADS = p.HG * RG, RS * HGV * DG
     LG, PF = p.LG, p.PF
     prologue = item_prologue(at, DW, T, fused_store, layer_base, slot_is_group)
+    stage_queries = query_stager(G, D, T, D)
 
     @ti.func
     def tile_rows(plane: ti.template(), slot, kvh, o_first, count, wg, nwg, run, logical_start, capacity,
@@ -403,10 +438,7 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
             tid, item, k_cur, v_cur, k_plane, v_plane, layers, slots, position, window, capacity, origin_logical,
             origin_physical, nwg)
         q_sh, buf, w_sh, part, part2, state, rows_sh = shared
-        e = tid
-        while e < G * D:
-            q_sh[e] = q[layer, kvh * G + udiv(e, D), umod(e, D)]
-            e += T
+        stage_queries(q, q_sh, layer, kvh * G, tid)
         if tid < G:
             state[tid] = RUNNING_MAX_INIT
             state[G + tid] = 0.0
@@ -568,4 +600,5 @@ def shared_arrays(plan: TilePlan) -> tuple:
 
 
 __all__ = ["GPU_PRODUCER_THREADS", "SHARED_BUDGET_BYTES", "TilePlan", "describe_block_tile",
-           "gpu_producer_work", "gpu_tile_plan", "item_prologue", "owned_rows", "shared_arrays", "tile_overrides"]
+           "gpu_producer_work", "gpu_tile_plan", "item_prologue", "owned_rows", "query_stager", "shared_arrays",
+           "tile_overrides"]

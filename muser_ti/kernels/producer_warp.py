@@ -44,7 +44,7 @@ import taichi as ti
 from .. import backend
 from .common import BLOCK_ROWS, RUNNING_MAX_INIT, VISIT_OWNER
 from .halves import HALVES_PER_WORD, high, low
-from .producer_gpu import item_prologue, owned_rows, udiv, umod
+from .producer_gpu import item_prologue, owned_rows, query_stager, udiv, umod
 
 WARP = 32  # lanes that share a warp sync (CUDA); the SPIR-V path syncs the workgroup instead
 WARPS = 4  # per workgroup: 128 threads, the register cap of the block tile (255, see GPU_PRODUCER_THREADS).
@@ -223,6 +223,7 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
     assert WARP % DCW == 0 and DW % WARP == 0, (DCW, DW)  # a lane's chunk cells are static offsets
     warp_barrier = backend.active() == "cuda"
     prologue = item_prologue(at, DW, p.T, fused_store, layer_base, slot_is_group)
+    stage_queries = query_stager(G, D, p.T, QS)
     SU = max(u for u in range(1, p.WU + 1) if (DC // 4) % u == 0)  # unrolled score steps
     VU = max(u for u in range(1, p.WU + 1) if VR % u == 0)  # unrolled value rows
 
@@ -316,10 +317,7 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
         w, lane = udiv(tid, WARP), umod(tid, WARP)
         hg, rg = umod(lane, HGL), udiv(lane, HGL)  # heads hg + HGL*i; score rows rg + RGL*j; dims 4*rg + 4*RGL*jj
         wbuf, wrow, wpart, wwt = w * BUF, w * RW, w * RGL * G, w * RW * G
-        e = tid
-        while e < G * D:
-            q_sh[udiv(e, D) * QS + umod(e, D)] = q[layer, kvh * G + udiv(e, D), umod(e, D)]
-            e += p.T
+        stage_queries(q, q_sh, layer, kvh * G, tid)
         run, n_own, o_cur = owned_rows(visible, wg, nwg, nsg)
         ti.simt.block.sync()
 
@@ -456,6 +454,12 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
                     total += state[u * 2 * G + G + hg * HL + hi] * ti.exp(state[u * 2 * G + hg * HL + hi] - gmax)
                 partials[g, kvh * G + hg + HGL * hi, wg, 0] = gmax
                 partials[g, kvh * G + hg + HGL * hi, wg, 1] = total
+        # Known deficit: warp W - 1 writes all of O alone, reloading the ndarray's shape and pointer after every
+        # store (~4 % of the stall samples at 131,072 keys, run 21).  Every thread writing O from q_sh instead
+        # (the tail half of docs/perf/h200/run23/entry-and-tail.patch) saves ~1 us alone (CUPTI, one NoPE layer's
+        # producer, run 24: 19.9 / 32.3 / 100.4 against 20.7 / 33.3 / 101.3 us at 2,048 / 32,768 / 131,072 keys),
+        # but beside the query copy above it cost ~6 us at depth (102.4 against 96.1; run 23's profile: ptxas put
+        # 22 local loads and stores in the chunk loops instead of 4), so it is not kept
         for u in ti.static(range(W)):
             if w == u:
                 for hi in ti.static(range(HL)):
