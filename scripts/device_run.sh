@@ -122,12 +122,14 @@ if [ "$what" = steps ]; then  # the 52-layer step on both backends (after a spli
   bench vulkan-steps timeout 150 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
     --repeats 15 --json "$OUT/vulkan-steps.json"
 fi
+tree_bench() {  # tree, tag, name, extra env..., args...: bench on that tree as <tag>-<name> (@JSON@: its JSON path)
+  local tree=$1 tag=$2 name=$3; shift 3
+  (cd "$tree" && export PYTHONPATH=/tmp/site:$PWD && bench "$tag-$name" "${@//@JSON@/$OUT/$tag-$name.json}")
+}
 ab_bench() {  # name, extra env..., args...: bench on the tree in $AB_OLD as old-<name>, then on this one as new-<name>
   local name=$1; shift
-  for tree in "$AB_OLD" .; do
-    local tag; tag=$([ "$tree" = . ] && echo new || echo old)
-    (cd "$tree" && export PYTHONPATH=/tmp/site:$PWD && bench "$tag-$name" "${@//@JSON@/$OUT/$tag-$name.json}")
-  done
+  tree_bench "$AB_OLD" old "$name" "$@"
+  tree_bench . new "$name" "$@"
 }
 AB_STEPS="timeout 150 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,131072 --repeats 15 --json @JSON@"
 if [ "$what" = cudaab ]; then  # CUDA steps on the tree in $AB_OLD, then on this one, in one call
@@ -252,10 +254,9 @@ if [ "$what" = treeab ]; then  # AB_TREES (":"-separated; "." is this tree): CUD
   IFS=':' read -r -a trees <<< "${AB_TREES:-$AB_OLD:.}"
   for round in $(seq 1 ${AB_ROUNDS:-2}); do
     for tree in "${trees[@]}"; do
-      tag=$([ "$tree" = . ] && echo head || basename "$tree")
-      (cd "$tree" && export PYTHONPATH=/tmp/site:$PWD && bench "$tag-layers-$round" timeout ${AB_TIMEOUT:-150} python3 \
-        scripts/bench.py --arch cuda --mode layers --layer-depths ${AB_DEPTHS:-2048,32768,131072} \
-        --routes ${AB_ROUTES:-interleaved} --repeats 15 --json "$OUT/$tag-layers-$round.json")
+      tree_bench "$tree" "$([ "$tree" = . ] && echo head || basename "$tree")" layers-$round timeout ${AB_TIMEOUT:-150} \
+        python3 scripts/bench.py --arch cuda --mode layers --layer-depths ${AB_DEPTHS:-2048,32768,131072} \
+        --routes ${AB_ROUTES:-interleaved} --repeats 15 --json @JSON@
     done
   done
 fi
