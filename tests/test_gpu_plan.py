@@ -190,6 +190,18 @@ def test_glimmer_takes_warp_tiles_on_cuda_and_vulkan_and_the_block_tile_on_metal
     assert (p.W, p.T, p.CH, p.DC, p.VR, p.shared_bytes) == (6, 192, 512, 16, 4, 40704)
     p = tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda")
     assert (p.W, p.T, p.CH) == (WARPS, 128, CHUNK_HALVES) == (4, 128, 1024)  # 6 warps spilled (run 21)
+    # HW: 2 warps share each row set's chunks, 8 heads each, so a lane holds 4 heads x 8 dims and the row set is
+    # 64 rows; its buffer, weights and row table are per row set, its max and sum scratch per warp
+    p = tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("HW=2,WW=6,WC=512"))
+    assert (p.HW, p.GW, p.WR, p.HGL, p.RGL, p.RW, p.VD, p.DC, p.VR, p.T) == (2, 8, 3, 2, 16, 64, 8, 8, 4, 192)
+    assert p.shared_bytes == 4 * (16 * 132 + 3 * (64 * 12 + 64 * 16 + 64) + 6 * (16 * 8 + 2 * 8))
+    assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda").HW == 1
+    with pytest.raises(ValueError, match="HW=2: expected 1 to 2 warps per row set, dividing WW=3"):
+        tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WW=3,HW=2"))
+    with pytest.raises(ValueError, match="HW=3"):
+        tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WW=6,HW=3"))
+    assert warp_tile_plan(8, 64, SHARED_BUDGET_BYTES["cuda"], HW=2) is None  # 4 heads a warp: 2 dims a lane
+    assert warp_tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], HW=2, WW=8) is None  # 49.8 KiB: past 48
     with pytest.raises(ValueError, match="WW=9: expected 1 to 8 warps"):
         tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WW=9"))
     with pytest.raises(ValueError, match=r"WC=768: expected one of \(256, 512, 1024, 2048\)"):

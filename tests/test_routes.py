@@ -160,11 +160,13 @@ def test_tiny_ring_smaller_than_window_is_refused(arch):
 # rows; at the default split a few hundred rows give each workgroup one 32-row block, which only the
 # first warp sees.
 # The tile knobs (producer_warp: RL, 64-row tiles; CA, two chunks in flight; XM, the tile max by warp
-# shuffles; WW and WC, warps per workgroup and halves per chunk) run here too.
+# shuffles; WW and WC, warps per workgroup and halves per chunk; HW, two warps sharing each row set's
+# chunks, 8 heads each) run here too.
 @pytest.mark.parametrize("n_heads, head_dim, tile", [(32, 128, ""), (16, 64, ""), (8, 128, ""), (32, 128, "RL=8"),
                                                      (32, 128, "CA=2"), (32, 128, "XM=1"), (32, 128, "RL=8,XM=1"),
                                                      (32, 128, "CA=2,XM=1"), (32, 128, "WW=6,WC=512"),
-                                                     (16, 64, "WW=3,WC=256")])
+                                                     (16, 64, "WW=3,WC=256"), (32, 128, "HW=2"),
+                                                     (32, 128, "HW=2,WW=6,WC=512"), (32, 128, "HW=2,WW=2,XM=1")])
 def test_warp_tiles_with_every_warp_busy_match_reference(arch, n_heads, head_dim, tile, monkeypatch):
     if arch == "cpu":
         pytest.skip("the CPU producer has no GPU tiles")

@@ -283,8 +283,8 @@ def describe_block_tile(p: TilePlan, arch: str, budget: int) -> str:
             f"{'chunks pipelined (packed halves in flight)' if p.PF else 'chunks not pipelined'}")
 
 
-# WT..WC: warp tiles (WT picks them; the rest are producer_warp.WARP_TILE_KNOBS)
-TILE_KNOBS = ("T", "HB", "VH", "R", "LG", "DC", "PF", "WT", "WU", "XM", "RL", "CA", "WW", "WC")
+# WT..HW: warp tiles (WT picks them; the rest are producer_warp.WARP_TILE_KNOBS)
+TILE_KNOBS = ("T", "HB", "VH", "R", "LG", "DC", "PF", "WT", "WU", "XM", "RL", "CA", "WW", "WC", "HW")
 SWITCH_KNOBS = ("PF", "WT", "XM")  # 0 or 1
 
 

@@ -31,6 +31,10 @@ V: VR rows x D), loaded a chunk ahead and kept packed (u32 words, halves.py) unt
 as in the block tile.  Rows past a warp's count are the workgroup's last owned row (in bounds), with
 weight 0.
 
+Knob HW=2 (HEAD_WARPS says why) pairs the warps: the two warps of a row set walk the same RW rows, stage
+each chunk together into one buffer, and split the G heads, each running its own online softmax for G / 2
+of them; the row sets are merged at the end as the warps are at HW=1.
+
 Where it applies (warp_tile_plan): 4 heads per lane (G % 4 == 0), head groups that divide a warp (G in
 4, 8, 16, 32), at most 64 accumulators per lane (D x G <= 2048), and the shared memory of the backend:
 37.2 KiB for Glimmer, so CUDA and Vulkan (48 KiB) but not Metal (32 KiB), which keeps the block tile.
@@ -111,7 +115,15 @@ SHUFFLE_MAX = {}  # XM, by arch (0 elsewhere): the tile max of a head over its R
 #                   131,072 keys, CUPTI, two calls, docs/PERF.md run 20), though it frees 20 registers (234
 #                   against 254), which RL = 8 needs to run without spills
 
-WARP_TILE_KNOBS = ("WU", "XM", "RL", "CA", "WW", "WC")  # MUSER_GPU_TILE's knobs that warp_tile_plan takes
+HEAD_WARPS = 1  # HW: warps that share a row set and its staged chunks, each with G / HW of the heads (knob HW=2: a lane
+#                holds 4 heads x 2 VD dims, 32 accumulators, and RGL doubles, so the row set is 2 x RW rows).
+#                The point is registers without staging twice: run 17 split the heads over 2 workgroups that
+#                each staged every row (254 registers all the same, +30 % time); here the HW warps stage a chunk
+#                together (LOADS / HW words a lane) and sync the workgroup for it, so 6 warps (cap 168) or 8
+#                (cap 128) could run 3 or 4 a scheduler.  Every sync is then a workgroup barrier, as on SPIR-V
+MAX_HEAD_WARPS = 2  # HW's range: a V row's DW words cover HW x 32 staging lanes (64 words at head_dim 128)
+
+WARP_TILE_KNOBS = ("WU", "XM", "RL", "CA", "WW", "WC", "HW")  # MUSER_GPU_TILE's knobs that warp_tile_plan takes
 
 
 @dataclass(frozen=True)
@@ -120,40 +132,47 @@ class WarpTilePlan:
 
     G: int
     D: int
-    HGL: int  # head groups per warp (lanes along heads)
+    HGL: int  # head groups per warp (lanes along heads, G / (4 HW) of them)
     RGL: int  # row groups per warp (lanes along rows)
-    RW: int  # rows per warp and tile (RGL x RL)
+    RW: int  # rows per row set and tile (RGL x RL): a warp's own rows, or its HW warps' shared rows
     DC: int  # K chunk dims
     VR: int  # V chunk rows
     VD: int  # value dims per lane: 4*dv + 4*RGL*jj + e
-    BUF: int  # floats in a warp's K/V chunk buffer
+    BUF: int  # floats in a row set's K/V chunk buffer
     shared_bytes: int
     WU: int = 1
     XM: int = 0  # the tile max across a head group's lanes by warp shuffles (CUDA), not through shared memory
     RL: int = ROWS_PER_LANE  # score rows per lane
     CA: int = 1  # chunks of K/V loads in flight ahead of the one being stored (CHUNKS_AHEAD says why)
     W: int = WARPS  # warps per workgroup
-    CH: int = CHUNK_HALVES  # halves per warp and chunk
+    CH: int = CHUNK_HALVES  # halves per row set and chunk
+    HW: int = HEAD_WARPS  # warps per row set, each with G / HW heads
     T: int = field(init=False)  # threads per workgroup, WARP x W
+    GW: int = field(init=False)  # heads per warp, G / HW
+    WR: int = field(init=False)  # row sets per workgroup, W / HW
 
-    def __post_init__(self):
-        object.__setattr__(self, "T", WARP * self.W)  # derived, so a plan cannot disagree with its warps
+    def __post_init__(self):  # derived, so a plan cannot disagree with its warps
+        object.__setattr__(self, "T", WARP * self.W)
+        object.__setattr__(self, "GW", self.G // self.HW)
+        object.__setattr__(self, "WR", self.W // self.HW)
 
 
 def warp_tile_plan(G: int, D: int, budget: int, WU: int | None = None, arch: str | None = None,
                    XM: int | None = None, RL: int = ROWS_PER_LANE, CA: int = CHUNKS_AHEAD, WW: int = WARPS,
-                   WC: int = CHUNK_HALVES) -> WarpTilePlan | None:
+                   WC: int = CHUNK_HALVES, HW: int = HEAD_WARPS) -> WarpTilePlan | None:
     """The warp tile for G heads per KV head at head_dim D within ``budget`` bytes of shared memory, or
     None where it does not apply (the block tile runs there); pure arithmetic, tested.  WU and XM default
     to UNROLL's and SHUFFLE_MAX's for ``arch`` (the active backend's when None); RL: score rows per lane;
-    CA: chunks in flight ahead (CHUNKS_AHEAD); WW: warps per workgroup (WARPS); WC: halves per warp and
-    chunk (CHUNK_HALVES)."""
+    CA: chunks in flight ahead (CHUNKS_AHEAD); WW: warps per workgroup (WARPS); WC: halves per row set and
+    chunk (CHUNK_HALVES); HW: warps per row set (HEAD_WARPS)."""
     if not 1 <= WW <= MAX_WARPS:
         raise ValueError(f"warp tile WW={WW}: expected 1 to {MAX_WARPS} warps per workgroup")
     if WC not in CHUNK_CHOICES:
         raise ValueError(f"warp tile WC={WC}: expected one of {CHUNK_CHOICES} halves per warp and chunk")
     if RL not in (4, 8):
         raise ValueError(f"warp tile RL={RL}: expected 4 or 8 score rows per lane")
+    if not 1 <= HW <= MAX_HEAD_WARPS or WW % HW:
+        raise ValueError(f"warp tile HW={HW}: expected 1 to {MAX_HEAD_WARPS} warps per row set, dividing WW={WW}")
     if CA not in (1, 2):
         raise ValueError(f"warp tile CA={CA}: expected 1 or 2 chunks in flight ahead")
     arch = arch or backend.active()
@@ -168,9 +187,10 @@ def warp_tile_plan(G: int, D: int, budget: int, WU: int | None = None, arch: str
     if XM and arch != "cuda":
         raise ValueError(f"warp tile XM={XM} on {arch}: warp shuffles run on CUDA only in Taichi 1.7.4 "
                          f"(they return 0 on the CPU and do not compile for SPIR-V); expected XM=0 there")
-    if G % HEADS_PER_LANE or WARP % (G // HEADS_PER_LANE):
+    GW = G // HW  # heads per warp
+    if G % HW or GW % HEADS_PER_LANE or WARP % (GW // HEADS_PER_LANE):
         return None
-    HGL = G // HEADS_PER_LANE
+    HGL = GW // HEADS_PER_LANE
     RGL = WARP // HGL
     RW = RGL * RL
     VD = D // RGL
@@ -179,17 +199,23 @@ def warp_tile_plan(G: int, D: int, budget: int, WU: int | None = None, arch: str
     DC, VR = WC // RW, WC // D
     if DC < 4 or DC % 4 or D % DC or VR < 1 or RW % VR:
         return None
+    SL, DCW, DW = WARP * HW, DC // HALVES_PER_WORD, D // HALVES_PER_WORD  # a row set's staging lanes
+    if WC % (HALVES_PER_WORD * SL) or SL % DCW or DW % SL:  # a lane's chunk cells: static offsets
+        return None
     buf = max(RW * (DC + PAD), VR * D)
-    floats = G * (D + PAD) + WW * (buf + RW * G + RGL * G + 2 * G)
-    shared = 4 * (floats + WW * RW)
+    WR = WW // HW
+    floats = G * (D + PAD) + WR * (buf + RW * G) + WW * (RGL * GW + 2 * GW)
+    shared = 4 * (floats + WR * RW)
     if shared > budget:
         return None
-    return WarpTilePlan(G, D, HGL, RGL, RW, DC, VR, VD, buf, shared, WU, XM, RL, CA, WW, WC)
+    return WarpTilePlan(G, D, HGL, RGL, RW, DC, VR, VD, buf, shared, WU, XM, RL, CA, WW, WC, HW)
 
 
 def describe_warp_tile(p: WarpTilePlan, budget: int) -> str:
     """A warp tile in words (producer.describe_plans prints one per backend)."""
-    return (f"warp tiles, {p.T} threads, each warp its own {p.RW} rows of a {p.W * p.RW}-row tile; scores "
+    rows = (f"each warp its own {p.RW} rows" if p.HW == 1 else
+            f"{p.HW} warps ({p.GW} heads each) sharing {p.RW} rows")
+    return (f"warp tiles, {p.T} threads, {rows} of a {p.WR * p.RW}-row tile; scores "
             f"{HEADS_PER_LANE} heads x {p.RL} rows and values {HEADS_PER_LANE} heads x {p.VD} dims per "
             f"lane; K chunks of {p.DC} dims, V chunks of {p.VR} rows, loops unrolled x{p.WU}; "
             f"{p.shared_bytes / 1024:.1f} of {budget // 1024} KiB shared")
@@ -200,11 +226,11 @@ def warp_shared_arrays(plan: WarpTilePlan) -> tuple:
     producer_gpu.shared_arrays says why)."""
     p = plan
     return (ti.simt.block.SharedArray((p.G * (p.D + PAD),), ti.f32),  # q_sh [h][D + PAD]; at the end, O
-            ti.simt.block.SharedArray((p.W * p.BUF,), ti.f32),  # per warp: K chunk [RW][DC+PAD] | V [VR][D]
-            ti.simt.block.SharedArray((p.W * p.RW * p.G,), ti.f32),  # per warp: weights [row][lane head order]
-            ti.simt.block.SharedArray((p.W * p.RGL * p.G,), ti.f32),  # per warp: [row group][lane head order]
-            ti.simt.block.SharedArray((p.W * 2 * p.G,), ti.f32),  # per warp: M, S (the final merge)
-            ti.simt.block.SharedArray((p.W * p.RW,), ti.i32))  # per warp: its tile rows' flat plane indices
+            ti.simt.block.SharedArray((p.WR * p.BUF,), ti.f32),  # per row set: K chunk [RW][DC+PAD] | V [VR][D]
+            ti.simt.block.SharedArray((p.WR * p.RW * p.G,), ti.f32),  # per row set: weights [row][warp, lane head order]
+            ti.simt.block.SharedArray((p.W * p.RGL * p.GW,), ti.f32),  # per warp: [row group][lane head order]
+            ti.simt.block.SharedArray((p.W * 2 * p.GW,), ti.f32),  # per warp: M, S (the final merge)
+            ti.simt.block.SharedArray((p.WR * p.RW,), ti.i32))  # per row set: its tile rows' flat plane indices
 
 
 def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused_store: bool, layer_base: int = 0,
@@ -214,95 +240,96 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
     p = plan
     G, D, C = p.G, p.D, BLOCK_ROWS
     HGL, RGL, RW, DC, VR, VD, BUF = p.HGL, p.RGL, p.RW, p.DC, p.VR, p.VD, p.BUF
-    HL, RL, W = HEADS_PER_LANE, p.RL, p.W
+    HL, RL, W, HW, GW, WR = HEADS_PER_LANE, p.RL, p.W, p.HW, p.GW, p.WR
     KS, QS = DC + PAD, D + PAD  # strides of a K chunk row and a query row
     DCW, DW = DC // HALVES_PER_WORD, D // HALVES_PER_WORD  # words per K chunk row, per V row
-    LOADS = p.CH // (HALVES_PER_WORD * WARP)  # words per lane per chunk
+    SL = WARP * HW  # lanes that stage a row set's chunks (its HW warps)
+    LOADS = p.CH // (HALVES_PER_WORD * SL)  # words per lane per chunk
     NKC, NVC = D // DC, RW // VR
-    TILE = W * RW
-    assert WARP % DCW == 0 and DW % WARP == 0, (DCW, DW)  # a lane's chunk cells are static offsets
-    warp_barrier = backend.active() == "cuda"
+    TILE = WR * RW
+    assert SL % DCW == 0 and DW % SL == 0, (DCW, DW, SL)  # a lane's chunk cells are static offsets
+    warp_barrier = backend.active() == "cuda" and HW == 1  # HW warps share a buffer: only a workgroup barrier spans them
     prologue = item_prologue(at, DW, p.T, fused_store, layer_base, slot_is_group)
     stage_queries = query_stager(G, D, p.T, QS)
     SU = max(u for u in range(1, p.WU + 1) if (DC // 4) % u == 0)  # unrolled score steps
     VU = max(u for u in range(1, p.WU + 1) if VR % u == 0)  # unrolled value rows
 
     @ti.func
-    def warp_sync():
+    def warp_sync():  # the lanes that share a buffer: a warp, or (HW > 1, SPIR-V) the workgroup
         if ti.static(warp_barrier):
             ti.simt.warp.sync(ti.u32(FULL_MASK))
         else:
             ti.simt.block.sync()
 
     @ti.func
-    def load_chunk(plane: ti.template(), rows_sh: ti.template(), is_k: ti.template(), c, wrow, lane):
-        """This lane's LOADS words of chunk c (K: dims c*DC.., V: rows c*VR..), kept packed."""
+    def load_chunk(plane: ti.template(), rows_sh: ti.template(), is_k: ti.template(), c, wrow, sl):
+        """Staging lane sl's LOADS words of chunk c (K: dims c*DC.., V: rows c*VR..), kept packed."""
         stage = ti.Vector([0] * LOADS, dt=ti.u32)
         for k in ti.static(range(LOADS)):
-            if ti.static(is_k):  # word lane + 32k: row lane // DCW + k * (32 // DCW), column lane % DCW
-                r = udiv(lane, DCW) + k * (WARP // DCW)
-                stage[k] = at.plane_flat(plane, rows_sh[wrow + r] + c * DCW + umod(lane, DCW))
-            else:  # row k // (DW // 32), column lane + 32 * (k % (DW // 32))
-                r = k // (DW // WARP)
-                stage[k] = at.plane_flat(plane, rows_sh[wrow + c * VR + r] + lane + WARP * (k % (DW // WARP)))
+            if ti.static(is_k):  # word sl + SL k: row sl // DCW + k * (SL // DCW), column sl % DCW
+                r = udiv(sl, DCW) + k * (SL // DCW)
+                stage[k] = at.plane_flat(plane, rows_sh[wrow + r] + c * DCW + umod(sl, DCW))
+            else:  # row k // (DW // SL), column sl + SL * (k % (DW // SL))
+                r = k // (DW // SL)
+                stage[k] = at.plane_flat(plane, rows_sh[wrow + c * VR + r] + sl + SL * (k % (DW // SL)))
         return stage
 
     @ti.func
-    def store_chunk(buf: ti.template(), stage: ti.template(), is_k: ti.template(), wbuf, lane):
+    def store_chunk(buf: ti.template(), stage: ti.template(), is_k: ti.template(), wbuf, sl):
         for k in ti.static(range(LOADS)):
             base = 0
             if ti.static(is_k):
-                base = wbuf + (udiv(lane, DCW) + k * (WARP // DCW)) * KS + HALVES_PER_WORD * umod(lane, DCW)
+                base = wbuf + (udiv(sl, DCW) + k * (SL // DCW)) * KS + HALVES_PER_WORD * umod(sl, DCW)
             else:
-                base = wbuf + (k // (DW // WARP)) * D + HALVES_PER_WORD * (lane + WARP * (k % (DW // WARP)))
+                base = wbuf + (k // (DW // SL)) * D + HALVES_PER_WORD * (sl + SL * (k % (DW // SL)))
             buf[base] = low(stage[k])
             buf[base + 1] = high(stage[k])
 
     @ti.func
     def store_stage(cur: ti.template(), buf: ti.template(), ahead, layer, kvh, is_k: ti.template(), c, has_cur, r_cur,
-                    count, wbuf, lane):
-        """Chunk c (its loads in ``ahead``) into the warp's buffer between two warp syncs, the bypass row
+                    count, wbuf, sl):
+        """Chunk c (its loads in ``ahead``) into the row set's buffer between two warp syncs, the bypass row
         patched in (only in the tile that holds the current token, a workgroup-uniform test, so the SPIR-V
         barriers stay uniform)."""
         warp_sync()  # every lane is done reading the previous chunk
-        store_chunk(buf, ahead, is_k, wbuf, lane)
+        store_chunk(buf, ahead, is_k, wbuf, sl)
         if ti.static(bypass):
             if has_cur:
                 warp_sync()  # the patch overwrites cells other lanes stored
                 if ti.static(is_k):
                     if r_cur >= 0 and r_cur < count:
-                        dd = lane
+                        dd = sl
                         while dd < DC:
                             buf[wbuf + r_cur * KS + dd] = cur[layer, kvh, c * DC + dd]
-                            dd += WARP
+                            dd += SL
                 else:
                     if r_cur >= c * VR and r_cur < ti.min(count, c * VR + VR):
-                        e = lane
+                        e = sl
                         while e < D:
                             buf[wbuf + (r_cur - c * VR) * D + e] = cur[layer, kvh, e]
-                            e += WARP
+                            e += SL
         warp_sync()
 
     @ti.func
     def stage_chunk(plane: ti.template(), cur: ti.template(), buf: ti.template(), rows_sh: ti.template(), ahead,
                     layer, kvh, is_k: ti.template(), c, n_chunks: ti.template(), has_cur, r_cur, count, wbuf, wrow,
-                    lane):
+                    sl):
         """store_stage, then chunk c+1's loads, returned: in flight while chunk c's FMAs run."""
-        store_stage(cur, buf, ahead, layer, kvh, is_k, c, has_cur, r_cur, count, wbuf, lane)
+        store_stage(cur, buf, ahead, layer, kvh, is_k, c, has_cur, r_cur, count, wbuf, sl)
         nxt = ahead
         if c + 1 < n_chunks:
-            nxt = load_chunk(plane, rows_sh, is_k, c + 1, wrow, lane)
+            nxt = load_chunk(plane, rows_sh, is_k, c + 1, wrow, sl)
         return nxt
 
     @ti.func
-    def load_in_tile(k_plane: ti.template(), v_plane: ti.template(), rows_sh: ti.template(), i, wrow, lane):
+    def load_in_tile(k_plane: ti.template(), v_plane: ti.template(), rows_sh: ti.template(), i, wrow, sl):
         """Chunk i of a tile's sequence, K chunks 0 .. NKC - 1 then V chunks (CA = 2: two chunks ahead, so a
         K chunk's stage loads a V chunk near the phase's end); nothing past the tile's last chunk."""
         stage = ti.Vector([0] * LOADS, dt=ti.u32)
         if i < NKC:
-            stage = load_chunk(k_plane, rows_sh, True, i, wrow, lane)
+            stage = load_chunk(k_plane, rows_sh, True, i, wrow, sl)
         elif i < NKC + NVC:
-            stage = load_chunk(v_plane, rows_sh, False, i - NKC, wrow, lane)
+            stage = load_chunk(v_plane, rows_sh, False, i - NKC, wrow, sl)
         return stage
 
     @ti.func
@@ -315,8 +342,10 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
             origin_physical, nwg)
         q_sh, buf, w_sh, part, state, rows_sh = shared
         w, lane = udiv(tid, WARP), umod(tid, WARP)
+        wr, hw = udiv(w, HW), umod(w, HW)  # the warp's row set and its share of the heads, h0 .. h0 + GW
+        sl, h0 = hw * WARP + lane, hw * GW  # sl: the lane's place among its row set's staging lanes
         hg, rg = umod(lane, HGL), udiv(lane, HGL)  # heads hg + HGL*i; score rows rg + RGL*j; dims 4*rg + 4*RGL*jj
-        wbuf, wrow, wpart, wwt = w * BUF, w * RW, w * RGL * G, w * RW * G
+        wbuf, wrow, wpart, wwt = wr * BUF, wr * RW, w * RGL * GW, wr * RW * G
         stage_queries(q, q_sh, layer, kvh * G, tid)
         run, n_own, o_cur = owned_rows(visible, wg, nwg, nsg)
         ti.simt.block.sync()
@@ -326,11 +355,11 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
         acc = ti.Matrix.zero(ti.f32, HL, VD)
         o_first = 0
         while o_first < n_own:  # uniform across the workgroup; each warp takes rows base .. base + RW
-            base = o_first + w * RW
+            base = o_first + wr * RW
             count = ti.max(0, ti.min(RW, n_own - base))
             has_cur = o_cur >= o_first and o_cur < o_first + TILE
             r_cur = o_cur - base
-            i = lane
+            i = sl
             while i < RW:
                 o = ti.min(base + i, n_own - 1)
                 rel = (wg + (o // run) * nwg) * run + o % run
@@ -339,29 +368,29 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
                 if ti.static(record):
                     if base + i < n_own and rel % C == 0:
                         ti.atomic_add(visits[g, rel // C], 1 + VISIT_OWNER * wg)
-                i += WARP
+                i += SL
             warp_sync()
 
             sc = ti.Matrix.zero(ti.f32, HL, RL)
-            ahead = load_chunk(k_plane, rows_sh, True, 0, wrow, lane)
+            ahead = load_chunk(k_plane, rows_sh, True, 0, wrow, sl)
             ahead2 = ti.Vector([0] * LOADS, dt=ti.u32)  # CA = 2: the chunk after ahead's
             if ti.static(p.CA == 2):
-                ahead2 = load_in_tile(k_plane, v_plane, rows_sh, 1, wrow, lane)
+                ahead2 = load_in_tile(k_plane, v_plane, rows_sh, 1, wrow, sl)
             for c in range(NKC):
                 if ti.static(p.CA == 2):
-                    store_stage(k_cur, buf, ahead, layer, kvh, True, c, has_cur, r_cur, count, wbuf, lane)
+                    store_stage(k_cur, buf, ahead, layer, kvh, True, c, has_cur, r_cur, count, wbuf, sl)
                     ahead = ahead2
-                    ahead2 = load_in_tile(k_plane, v_plane, rows_sh, c + 2, wrow, lane)
+                    ahead2 = load_in_tile(k_plane, v_plane, rows_sh, c + 2, wrow, sl)
                 else:
                     ahead = stage_chunk(k_plane, k_cur, buf, rows_sh, ahead, layer, kvh, True, c, NKC, has_cur,
-                                        r_cur, count, wbuf, wrow, lane)
+                                        r_cur, count, wbuf, wrow, sl)
                 for step in range(DC // (4 * SU)):
                     for u in ti.static(range(SU)):  # dims c*DC + 4*d4 + e, in increasing order in every sum
                         d4 = step * SU + u
                         kf = ti.Matrix([[buf[wbuf + (rg + RGL * j) * KS + 4 * d4 + e] for e in ti.static(range(4))]
                                         for j in ti.static(range(RL))])
                         for hi in ti.static(range(HL)):
-                            qf = ti.Vector([q_sh[(hg + HGL * hi) * QS + c * DC + 4 * d4 + e]
+                            qf = ti.Vector([q_sh[(h0 + hg + HGL * hi) * QS + c * DC + 4 * d4 + e]
                                             for e in ti.static(range(4))])
                             for j in ti.static(range(RL)):
                                 s = sc[hi, j]
@@ -370,7 +399,7 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
                                 sc[hi, j] = s
 
             if ti.static(p.CA == 1):  # (CA = 2: V chunks 0 and 1 are in flight already)
-                ahead = load_chunk(v_plane, rows_sh, False, 0, wrow, lane)  # in flight under the softmax
+                ahead = load_chunk(v_plane, rows_sh, False, 0, wrow, sl)  # in flight under the softmax
             # the tile max of each head over the RGL lanes of its head group (lanes hg + HGL*r): by warp
             # shuffles (XM) or through the warp's part
             local = ti.Vector([RUNNING_MAX_INIT] * HL)
@@ -385,12 +414,12 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
                             ti.u32(FULL_MASK), local[hi], lane ^ (HGL << k)))
             else:
                 for hi in ti.static(range(HL)):
-                    part[wpart + rg * G + hg * HL + hi] = local[hi]
+                    part[wpart + rg * GW + hg * HL + hi] = local[hi]
                 warp_sync()
                 for hi in ti.static(range(HL)):
                     tile_max = part[wpart + hg * HL + hi]
                     for r in range(1, RGL):
-                        tile_max = ti.max(tile_max, part[wpart + r * G + hg * HL + hi])
+                        tile_max = ti.max(tile_max, part[wpart + r * GW + hg * HL + hi])
                     local[hi] = tile_max
             for hi in ti.static(range(HL)):
                 new_max = ti.max(m[hi], local[hi])
@@ -401,7 +430,7 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
                     wt = 0.0
                     if rg + RGL * j < count:
                         wt = ti.exp(sc[hi, j] * scale - new_max)
-                    w_sh[wwt + (rg + RGL * j) * G + hg * HL + hi] = wt
+                    w_sh[wwt + (rg + RGL * j) * G + h0 + hg * HL + hi] = wt
                     total += wt
                 lsum[hi] = total
                 for x in ti.static(range(VD)):
@@ -409,16 +438,17 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
 
             for c in range(NVC):
                 if ti.static(p.CA == 2):
-                    store_stage(v_cur, buf, ahead, layer, kvh, False, c, has_cur, r_cur, count, wbuf, lane)
+                    store_stage(v_cur, buf, ahead, layer, kvh, False, c, has_cur, r_cur, count, wbuf, sl)
                     ahead = ahead2
-                    ahead2 = load_in_tile(k_plane, v_plane, rows_sh, NKC + c + 2, wrow, lane)
+                    ahead2 = load_in_tile(k_plane, v_plane, rows_sh, NKC + c + 2, wrow, sl)
                 else:
                     ahead = stage_chunk(v_plane, v_cur, buf, rows_sh, ahead, layer, kvh, False, c, NVC, has_cur,
-                                        r_cur, count, wbuf, wrow, lane)
+                                        r_cur, count, wbuf, wrow, sl)
                 for step in range(VR // VU):
                     for u in ti.static(range(VU)):
                         r = step * VU + u
-                        wf = ti.Vector([w_sh[wwt + (c * VR + r) * G + hg * HL + hi] for hi in ti.static(range(HL))])
+                        wf = ti.Vector([w_sh[wwt + (c * VR + r) * G + h0 + hg * HL + hi]
+                                        for hi in ti.static(range(HL))])
                         for jj in ti.static(range(VD // 4)):
                             vf = ti.Vector([buf[wbuf + r * D + 4 * rg + 4 * RGL * jj + e]
                                             for e in ti.static(range(4))])
@@ -429,51 +459,53 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
 
         # the warp's sums over its row groups (part is free: every lane passed the last V chunk's syncs)
         for hi in ti.static(range(HL)):
-            part[wpart + rg * G + hg * HL + hi] = lsum[hi]
+            part[wpart + rg * GW + hg * HL + hi] = lsum[hi]
         warp_sync()
         for hi in ti.static(range(HL)):
             total = 0.0
             for r in range(RGL):
-                total += part[wpart + r * G + hg * HL + hi]
+                total += part[wpart + r * GW + hg * HL + hi]
             lsum[hi] = total
         if rg == 0:
             for hi in ti.static(range(HL)):
-                state[w * 2 * G + hg * HL + hi] = m[hi]
-                state[w * 2 * G + G + hg * HL + hi] = lsum[hi]
+                state[w * 2 * GW + hg * HL + hi] = m[hi]
+                state[w * 2 * GW + GW + hg * HL + hi] = lsum[hi]
         ti.simt.block.sync()  # every warp is past its rows: q_sh is free for the merge of O
-        # merge the W warps in order: M = max M_w, S = sum S_w f_w, O = sum O_w f_w with f_w = exp(M_w - M)
+        # merge the WR row sets in order (warps wr * HW + hw, one per row set, hold heads h0 ..): M = max M_w,
+        # S = sum S_w f_w, O = sum O_w f_w with f_w = exp(M_w - M)
         fw = ti.Vector([0.0] * HL)
         for hi in ti.static(range(HL)):
-            gmax = state[hg * HL + hi]
-            for u in ti.static(range(1, W)):
-                gmax = ti.max(gmax, state[u * 2 * G + hg * HL + hi])
+            gmax = state[hw * 2 * GW + hg * HL + hi]
+            for u in ti.static(range(1, WR)):
+                gmax = ti.max(gmax, state[(u * HW + hw) * 2 * GW + hg * HL + hi])
             fw[hi] = ti.exp(m[hi] - gmax)
-            if w == 0 and rg == 0:
+            if wr == 0 and rg == 0:
                 total = 0.0
-                for u in ti.static(range(W)):
-                    total += state[u * 2 * G + G + hg * HL + hi] * ti.exp(state[u * 2 * G + hg * HL + hi] - gmax)
-                partials[g, kvh * G + hg + HGL * hi, wg, 0] = gmax
-                partials[g, kvh * G + hg + HGL * hi, wg, 1] = total
+                for u in ti.static(range(WR)):
+                    su = (u * HW + hw) * 2 * GW + hg * HL + hi
+                    total += state[su + GW] * ti.exp(state[su] - gmax)
+                partials[g, kvh * G + h0 + hg + HGL * hi, wg, 0] = gmax
+                partials[g, kvh * G + h0 + hg + HGL * hi, wg, 1] = total
         # Known deficit: warp W - 1 writes all of O alone, reloading the ndarray's shape and pointer after every
         # store (~4 % of the stall samples at 131,072 keys, run 21).  Every thread writing O from q_sh instead
         # (the tail half of docs/perf/h200/run23/entry-and-tail.patch) saves ~1 us alone (CUPTI, one NoPE layer's
         # producer, run 24: 19.9 / 32.3 / 100.4 against 20.7 / 33.3 / 101.3 us at 2,048 / 32,768 / 131,072 keys),
         # but beside the query copy above it cost ~6 us at depth (102.4 against 96.1; run 23's profile: ptxas put
         # 22 local loads and stores in the chunk loops instead of 4), so it is not kept
-        for u in ti.static(range(W)):
-            if w == u:
+        for u in ti.static(range(WR)):
+            if wr == u:
                 for hi in ti.static(range(HL)):
                     for jj in ti.static(range(VD // 4)):
                         for e in ti.static(range(4)):
                             d = 4 * rg + 4 * RGL * jj + e
                             val = acc[hi, 4 * jj + e] * fw[hi]
                             if ti.static(u > 0):
-                                val = q_sh[(hg * HL + hi) * D + d] + val
-                            if ti.static(u < W - 1):
-                                q_sh[(hg * HL + hi) * D + d] = val
+                                val = q_sh[(h0 + hg * HL + hi) * D + d] + val
+                            if ti.static(u < WR - 1):
+                                q_sh[(h0 + hg * HL + hi) * D + d] = val
                             else:
-                                partials[g, kvh * G + hg + HGL * hi, wg, 2 + d] = val
-            if ti.static(u < W - 1):
+                                partials[g, kvh * G + h0 + hg + HGL * hi, wg, 2 + d] = val
+            if ti.static(u < WR - 1):
                 ti.simt.block.sync()
 
     return work
