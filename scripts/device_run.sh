@@ -9,7 +9,7 @@
 #   final  the suite on both backends, CUDA layers, steps on both backends
 #   figures  quick, then Vulkan tile variants by wall time (TUNE_VARIANTS)
 #   kernel after a producer change: CUDA layers at two workgroup targets, and ncu on one deep layer
-#   tune   tile variants of the GPU producer in one process, with ptxas -v on each (scripts/tune_gpu.py)
+#   tune   tile variants of the GPU producer in one process, with ptxas -v on each (scripts/tune_gpu.py; TUNE_TIMEOUT)
 #   ncu    ncu's counters on one NoPE layer at 131,072 keys
 #   stalls ncu's stall reasons for that layer's producer (or STALLS_KERNEL), and its SASS lines by stall samples
 #   hoststep  where a 52-layer step's wall time goes on CUDA and Vulkan; Vulkan tile variants by wall time
@@ -156,7 +156,7 @@ ptx_report() {  # registers and spills of every producer module Taichi printed (
 }
 if [ "$what" = tune ]; then  # tile variants of the GPU producer in one process (scripts/tune_gpu.py), with ptxas -v
   variants=${TUNE_VARIANTS:-";PF=0;T=256;T=256,PF=0;HB=8;DC=32"}
-  MUSER_TI_PRINT_ASM=1 MUSER_TI_KERNEL_PROFILER=1 timeout 400 python3 scripts/tune_gpu.py tiles --arch cuda \
+  MUSER_TI_PRINT_ASM=1 MUSER_TI_KERNEL_PROFILER=1 timeout ${TUNE_TIMEOUT:-400} python3 scripts/tune_gpu.py tiles --arch cuda \
     --depths ${TUNE_DEPTHS:-2048,32768,131072} --variants "$variants" --json "$OUT/tune-cuda.json" > "$OUT/tune-cuda.log" 2>&1
   echo "== tune cuda rc=$?"; grep -E '^\{' "$OUT/tune-cuda.log" | python3 -c '
 import json, sys
