@@ -115,12 +115,17 @@ SHUFFLE_MAX = {}  # XM, by arch (0 elsewhere): the tile max of a head over its R
 #                   131,072 keys, CUPTI, two calls, docs/PERF.md run 20), though it frees 20 registers (234
 #                   against 254), which RL = 8 needs to run without spills
 
-HEAD_WARPS = 1  # HW: warps that share a row set and its staged chunks, each with G / HW of the heads (knob HW=2: a lane
-#                holds 4 heads x 2 VD dims, 32 accumulators, and RGL doubles, so the row set is 2 x RW rows).
+HEAD_WARPS = 1  # HW: warps that share a row set and its staged chunks, each with G / HW of the heads (knob HW=2: RGL
+#                doubles, so a lane holds 4 heads x VD / 2 dims, 32 accumulators, and a row set is 2 x RW rows).
 #                The point is registers without staging twice: run 17 split the heads over 2 workgroups that
 #                each staged every row (254 registers all the same, +30 % time); here the HW warps stage a chunk
 #                together (LOADS / HW words a lane) and sync the workgroup for it, so 6 warps (cap 168) or 8
-#                (cap 128) could run 3 or 4 a scheduler.  Every sync is then a workgroup barrier, as on SPIR-V
+#                (cap 128) could run 3 or 4 a scheduler.  Every sync is then a workgroup barrier, as on SPIR-V.
+#                Measured (docs/PERF.md run 25): ptxas still fills the cap, 254 registers at 4 warps, and at 6 or
+#                8 warps it spills 670-850 B even unrolled x1-x2.  At 4 warps, same occupancy, the deep layer
+#                got slower: producer 118-119 against 96 us at 131,072 keys (HW=2,XM=1, CUPTI); ncu on HW=2, 118.9
+#                against 97.2 us: 58.3 M against 55.1 M warp instructions, at 47 % issue against 55 %.  Only short contexts gain: HW=2,WW=2 (64 threads,
+#                one 64-row set) 14.1 against 17.8 us at 2,048 keys, but 40 against 31 at 32,768.  So HW = 1
 MAX_HEAD_WARPS = 2  # HW's range: a V row's DW words cover HW x 32 staging lanes (64 words at head_dim 128)
 
 WARP_TILE_KNOBS = ("WU", "XM", "RL", "CA", "WW", "WC", "HW")  # MUSER_GPU_TILE's knobs that warp_tile_plan takes
