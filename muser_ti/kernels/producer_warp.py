@@ -123,9 +123,10 @@ HEAD_WARPS = 1  # HW: warps that share a row set and its staged chunks, each wit
 #                (cap 128) could run 3 or 4 a scheduler.  Every sync is then a workgroup barrier, as on SPIR-V.
 #                Measured (docs/PERF.md run 25): ptxas still fills the cap, 254 registers at 4 warps, and at 6 or
 #                8 warps it spills 670-850 B even unrolled x1-x2.  At 4 warps, same occupancy, the deep layer
-#                got slower: producer 118-119 against 96 us at 131,072 keys (HW=2,XM=1, CUPTI); ncu on HW=2, 118.9
-#                against 97.2 us: 58.3 M against 55.1 M warp instructions, at 47 % issue against 55 %.  Only short contexts gain: HW=2,WW=2 (64 threads,
-#                one 64-row set) 14.1 against 17.8 us at 2,048 keys, but 40 against 31 at 32,768.  So HW = 1
+#                got slower: producer 118-119 against 96 us at 131,072 keys (HW=2,XM=1, CUPTI); ncu on HW=2,
+#                118.9 against 97.2 us: 58.3 M against 55.1 M warp instructions, at 47 % issue against 55 %.
+#                Only short contexts gain: HW=2,WW=2 (64 threads, one 64-row set) 14.1 against 17.8 us at 2,048
+#                keys, but 40 against 31 at 32,768.  So HW = 1
 MAX_HEAD_WARPS = 2  # HW's range: a V row's DW words cover HW x 32 staging lanes (64 words at head_dim 128)
 
 WARP_TILE_KNOBS = ("WU", "XM", "RL", "CA", "WW", "WC", "HW")  # MUSER_GPU_TILE's knobs that warp_tile_plan takes
@@ -173,7 +174,7 @@ def warp_tile_plan(G: int, D: int, budget: int, WU: int | None = None, arch: str
     if not 1 <= WW <= MAX_WARPS:
         raise ValueError(f"warp tile WW={WW}: expected 1 to {MAX_WARPS} warps per workgroup")
     if WC not in CHUNK_CHOICES:
-        raise ValueError(f"warp tile WC={WC}: expected one of {CHUNK_CHOICES} halves per warp and chunk")
+        raise ValueError(f"warp tile WC={WC}: expected one of {CHUNK_CHOICES} halves per row set and chunk")
     if RL not in (4, 8):
         raise ValueError(f"warp tile RL={RL}: expected 4 or 8 score rows per lane")
     if not 1 <= HW <= MAX_HEAD_WARPS or WW % HW:
@@ -232,7 +233,7 @@ def warp_shared_arrays(plan: WarpTilePlan) -> tuple:
     p = plan
     return (ti.simt.block.SharedArray((p.G * (p.D + PAD),), ti.f32),  # q_sh [h][D + PAD]; at the end, O
             ti.simt.block.SharedArray((p.WR * p.BUF,), ti.f32),  # per row set: K chunk [RW][DC+PAD] | V [VR][D]
-            ti.simt.block.SharedArray((p.WR * p.RW * p.G,), ti.f32),  # per row set: weights [row][warp, lane head order]
+            ti.simt.block.SharedArray((p.WR * p.RW * p.G,), ti.f32),  # per row set: weights [row][warp, lane heads]
             ti.simt.block.SharedArray((p.W * p.RGL * p.GW,), ti.f32),  # per warp: [row group][lane head order]
             ti.simt.block.SharedArray((p.W * 2 * p.GW,), ti.f32),  # per warp: M, S (the final merge)
             ti.simt.block.SharedArray((p.WR * p.RW,), ti.i32))  # per row set: its tile rows' flat plane indices
@@ -253,7 +254,7 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
     NKC, NVC = D // DC, RW // VR
     TILE = WR * RW
     assert SL % DCW == 0 and DW % SL == 0, (DCW, DW, SL)  # a lane's chunk cells are static offsets
-    warp_barrier = backend.active() == "cuda" and HW == 1  # HW warps share a buffer: only a workgroup barrier spans them
+    warp_barrier = backend.active() == "cuda" and HW == 1  # HW > 1: a shared buffer, so a workgroup barrier
     prologue = item_prologue(at, DW, p.T, fused_store, layer_base, slot_is_group)
     stage_queries = query_stager(G, D, p.T, QS)
     SU = max(u for u in range(1, p.WU + 1) if (DC // 4) % u == 0)  # unrolled score steps
@@ -359,7 +360,7 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
         lsum = ti.Vector([0.0] * HL)
         acc = ti.Matrix.zero(ti.f32, HL, VD)
         o_first = 0
-        while o_first < n_own:  # uniform across the workgroup; each warp takes rows base .. base + RW
+        while o_first < n_own:  # uniform across the workgroup; each row set takes rows base .. base + RW
             base = o_first + wr * RW
             count = ti.max(0, ti.min(RW, n_own - base))
             has_cur = o_cur >= o_first and o_cur < o_first + TILE
