@@ -10,6 +10,11 @@
 #   figures  quick, then Vulkan tile variants by wall time (TUNE_VARIANTS)
 #   kernel after a producer change: CUDA layers at two workgroup targets, and ncu on one deep layer
 #   tune   tile variants of the GPU producer in one process, with ptxas -v on each (scripts/tune_gpu.py; TUNE_TIMEOUT)
+#   vktune tile variants of the GPU producer on Vulkan (NVIDIA's driver), by wall time, in one process
+#          (TUNE_VARIANTS, TUNE_DEPTHS, TUNE_TIMEOUT; no profiler there, see `bench`)
+#   vkab   after a change to Vulkan's per-token host path: what reading the flags back costs (tune_gpu.py
+#          readback) on both backends, then Vulkan steps (VKAB_DEPTHS) on $AB_OLD and this tree, VKAB_ROUNDS
+#          rounds in alternation
 #   ncu    ncu's counters on one NoPE layer at 131,072 keys
 #   stalls ncu's stall reasons for that layer's producer (or STALLS_KERNEL), and its SASS lines by stall samples
 #   hoststep  where a 52-layer step's wall time goes on CUDA and Vulkan; Vulkan tile variants by wall time
@@ -166,6 +171,25 @@ for l in sys.stdin:
           r.get("device_us", 0), r.get("wall_us", 0), r.get("rel_err", -1), r.get("bits_as_default"), r.get("first_launch_s"), r.get("error", "")))'
   ptx_report
 fi
+vk_rows() {  # tiles rows: wall and graph-replay times
+  grep -E '^\{' "$1" | python3 -c '
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l)
+    print("  %-24s %7d wall %8.1f graph %8.1f us err %.1e same-bits %s compile %ss nwg %s %s" % (r["variant"],
+          r["depth"], r.get("wall_us", 0), r.get("graph_us", 0), r.get("rel_err", -1), r.get("bits_as_default"),
+          r.get("first_launch_s"), r.get("workgroups"), r.get("error", "")))'
+}
+if [ "$what" = vktune ]; then  # the warp tile's knobs on SPIR-V: wall of 20 back-to-back launches a variant
+  timeout ${TUNE_TIMEOUT:-400} python3 scripts/tune_gpu.py tiles --arch vulkan --depths ${TUNE_DEPTHS:-32768,131072} \
+    --variants "${TUNE_VARIANTS:-}" --graph ${TUNE_GRAPH:-8} --json "$OUT/tune-vulkan.json" > "$OUT/tune-vulkan.log" 2>&1
+  echo "== tune vulkan rc=$?"; vk_rows "$OUT/tune-vulkan.log"
+  if [ -n "${TUNE_CUDA:-}" ]; then  # the same timing on CUDA, where CUPTI's figures check it (TUNE_CUDA: variants)
+    timeout 200 python3 scripts/tune_gpu.py tiles --arch cuda --depths ${TUNE_DEPTHS:-32768,131072} \
+      --variants "$TUNE_CUDA" --graph ${TUNE_GRAPH:-8} --json "$OUT/tune-cuda.json" > "$OUT/tune-cuda.log" 2>&1
+    echo "== tune cuda rc=$?"; vk_rows "$OUT/tune-cuda.log"
+  fi
+fi
 if [ "$what" = hoststep ]; then  # where a step's wall time goes, CUDA and Vulkan; Vulkan tile variants by wall time
   for arch in cuda vulkan; do
     timeout 150 python3 scripts/tune_gpu.py step --arch $arch --depth 2048 --json "$OUT/step-$arch.json" > "$OUT/step-$arch.log" 2>&1
@@ -233,6 +257,17 @@ if [ "$what" = hostab ]; then  # AB_OLD=build/ab_old: `git archive <commit> muse
   bash "$0" trace
   ab_bench vulkan-steps timeout 150 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,131072 \
     --repeats 15 --json @JSON@
+fi
+if [ "$what" = vkab ]; then  # AB_OLD=build/ab_old, as hostab
+  for arch in vulkan cuda; do
+    timeout 90 python3 scripts/tune_gpu.py readback --arch $arch --rounds 3 --json "$OUT/readback-$arch.json" \
+      > "$OUT/readback-$arch.log" 2>&1; echo "== readback $arch rc=$?"
+    grep -E '^\{' "$OUT/readback-$arch.log" | cut -c1-160
+  done
+  for round in $(seq 1 ${VKAB_ROUNDS:-2}); do  # the first process compiles the step (Taichi's cache serves the rest)
+    ab_bench vulkan-steps-$round timeout ${VKAB_TIMEOUT:-200} python3 scripts/bench.py --arch vulkan --mode steps \
+      --step-depths ${VKAB_DEPTHS:-2048} --repeats 15 --json @JSON@
+  done
 fi
 if [ "$what" = kernelab ]; then  # AB_OLD=build/ab_old, as hostab
   for round in 1 2; do

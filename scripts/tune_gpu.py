@@ -7,15 +7,22 @@
     python scripts/tune_gpu.py launch --arch cuda
     python scripts/tune_gpu.py paths --arch cuda --depths 2048,131072
     python scripts/tune_gpu.py stephost --arch cuda --depth 2048
+    python scripts/tune_gpu.py readback --arch vulkan --rounds 3
 
 tiles: one NoPE layer (interleaved producer + reducer) per depth, prefilled once; every tile variant
 (a MUSER_GPU_TILE string, "" = the default plan) is built, checked against the float64 reference on
-the same planes, and timed: device time from Taichi's kernel profiler where it is on (CUDA), and the
-wall time of 20 back-to-back launches.  A variant that fails the accuracy bound is reported as such.
+the same planes, and timed: device time from Taichi's kernel profiler where it is on (CUDA), the
+wall time of 20 back-to-back launches, and with --graph K the device's time per layer with the host's
+launches and waits taken out: K and 3K producer + reducer pairs replayed as one ti.graph each, to
+completion, the difference over 2K pairs (the run's fixed costs, a Vulkan wait among them, cancel; each
+dispatch's host issue, ~8-21 us in a graph, runs under the one before it wherever a pair takes longer).
+Vulkan has no profiler here, and its Python launches cost more than a shallow layer's kernels (run 26).
+A variant that fails the accuracy bound is reported as such.
 
 step: where a whole 52-layer step's wall time goes at one depth: input checks, the uploads, the
 replayed graph alone, the download, against the full step, with the CUDA driver copies and with
-Taichi's from_numpy/to_numpy (transfer.py).
+Taichi's from_numpy/to_numpy (transfer.py); with --graph K also the step graph's device time, as tiles
+takes it.
 
 trace (CUDA, needs torch): the step's timeline from CUPTI through torch.profiler, both ways in (numpy
 through step(), device arrays through step_device()): per step its wall time, the time the GPU ran
@@ -39,6 +46,11 @@ with the values it was given through Taichi's Python wrapper (Graph.run) and thr
 calls jit_run), and the engine's Python share of step_device: the same call with the graph run and the
 flags read stubbed out, rewound after each (rewind_us apart).  (Run 13 also timed kernels with the
 step's arguments and trivial bodies; those had its 32 arguments and are gone with them.)
+
+readback: what it costs the host to learn a few device flags after a kernel wrote them (step_device's
+one wait a token): an idle sync, the kernel and a sync, and the kernel followed by each way of reading
+an i32 array back (transfer.py's download, to_numpy, indexing it from Python) or a kernel that
+returns the flagged bits as its value.
 
 Every figure is a median; rows are printed as JSON lines and written to --json.
 """
@@ -146,10 +158,40 @@ def tiles(args, rows) -> None:
                 ti.sync()
 
             row["wall_us"] = median_s(burst, args.repeats) / 20 * 1e6
+            if args.graph:
+                row["graph_us"] = graph_pair_us(eng, launch, args.graph, args.repeats)
             row["workgroups"] = eng.split_geometry(depth, 1)[0]
             emit(row, rows)
         os.environ.pop("MUSER_GPU_TARGET_WORKGROUPS", None)
 
+
+
+def graph_pair_us(eng, launch, k: int, repeats: int) -> float:
+    """One producer + reducer pair's device time in us: the pair ``launch`` makes, recorded (Engine._launch)
+    and replayed by graph_repeat_us."""
+    eng._recorded = []
+    try:
+        launch()
+        pair = eng._recorded
+    finally:
+        eng._recorded = None
+    return graph_repeat_us(pair, k, repeats)
+
+
+def graph_repeat_us(dispatches, k: int, repeats: int) -> float:
+    """The device's time in us for one run of ``dispatches``: replayed k and 3k times as one ti.graph each,
+    to completion; (t(3k) - t(k)) / 2k.  An upper bound: where the device outruns the host's issue of a
+    dispatch in a graph, it is that issue's cost instead."""
+    import taichi as ti
+    from muser_ti.replay import GraphReplay
+
+    replay = GraphReplay()
+
+    def run(n):
+        replay.run(dispatches * n)
+        ti.sync()
+
+    return (median_s(lambda: run(3 * k), repeats) - median_s(lambda: run(k), repeats)) / (2 * k) * 1e6
 
 
 def step(args, rows) -> None:
@@ -184,6 +226,8 @@ def step(args, rows) -> None:
 
     row["graph_us"] = median_s(graph_only, args.repeats) * 1e6
     row["sync_us"] = median_s(ti.sync, args.repeats) * 1e6
+    if args.graph:  # the graph's device time alone, its host issue and waits taken out (graph_repeat_us)
+        row["graph_device_bound_us"] = graph_repeat_us(dispatches, args.graph, args.repeats)
     if os.environ.get("MUSER_TI_KERNEL_PROFILER") == "1":  # device time of the graph's kernels (CUDA)
         dev = []
         for _ in range(args.repeats):
@@ -255,6 +299,61 @@ def trace_layer(args, rows, base_cfg, depth: int, rng) -> None:
     emit({"what": "layer trace", "arch": eng.arch, "depth": depth, "way": "one NoPE layer", "trace": path.name,
           "workgroups": eng.split_geometry(depth, 1)[0], **cupti_layer_row(eng, "interleaved", args.repeats, path),
           "python_top": []}, rows)
+
+
+def readback(args, rows) -> None:
+    """Ways to read the token flags back, each after a kernel that wrote them: see the module docstring."""
+    import taichi as ti
+
+    from muser_ti.kernels.stores import TOKEN_FLAGS
+    from muser_ti.transfer import Transfer
+
+    cfg = mt.load_config(args.config)
+    mt.Engine(cfg, arch=args.arch, pinned="off")  # Taichi up on the arch
+    shape = (TOKEN_FLAGS + cfg.n_layers,)
+    flags = ti.ndarray(ti.i32, shape)
+    flags.fill(0)
+    transfer = Transfer()
+
+    @ti.kernel
+    def mark(f: ti.types.ndarray(dtype=ti.i32, ndim=1), stamp: ti.i32):
+        for i in range(TOKEN_FLAGS):
+            ti.atomic_max(f[i], stamp * (i == TOKEN_FLAGS - 1))
+
+    @ti.kernel
+    def flagged_bits(f: ti.types.ndarray(dtype=ti.i32, ndim=1), stamp: ti.i32) -> ti.i32:
+        bits = 0  # no loop at the kernel's top level: one serial task, so one thread writes bits
+        for i in ti.static(range(TOKEN_FLAGS)):
+            if f[i] == stamp:
+                bits |= 1 << i
+        return bits
+
+    stamp = [0]
+
+    def marked(read):
+        def call():
+            stamp[0] += 1
+            mark(flags, stamp[0])
+            got = read()
+            assert got == 1 << (TOKEN_FLAGS - 1), (got, stamp[0])  # each way must see this stamp's flag
+        return call
+
+    def bits_of(host):
+        return sum(1 << i for i in range(TOKEN_FLAGS) if host[i] == stamp[0])
+
+    ways = {
+        "idle sync": ti.sync,
+        "kernel + sync": lambda: (mark(flags, 0), ti.sync()),
+        "kernel + transfer.download": marked(lambda: bits_of(transfer.download(flags, shape))),
+        "kernel + to_numpy": marked(lambda: bits_of(flags.to_numpy())),
+        "kernel + index from Python": marked(lambda: bits_of([flags[i] for i in range(TOKEN_FLAGS)])),
+        "kernel + returning kernel": marked(lambda: flagged_bits(flags, stamp[0])),
+    }
+    for _ in range(args.rounds):  # alternating rounds: a slow spell of the host falls on every way
+        for name, call in ways.items():
+            row = {"what": "readback", "arch": args.arch, "way": name,
+                   "median_us": median_s(call, args.repeats, warmup=3) * 1e6}
+            emit(row, rows)
 
 
 def python_profile(call, repeats: int, before, top: int = 12) -> list:
@@ -432,13 +531,15 @@ def stephost(args, rows) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("tiles", "step", "trace", "launch", "paths", "stephost"))
+    ap.add_argument("mode", choices=("tiles", "step", "trace", "launch", "paths", "stephost", "readback"))
     ap.add_argument("--arch", default="cuda")
     ap.add_argument("--config", default="glimmer.yaml")
     ap.add_argument("--depths", default="2048,131072", help="tiles, trace, paths: comma-separated key counts")
     ap.add_argument("--depth", type=int, default=2048, help="step: the depth")
     ap.add_argument("--variants", default="", help='tiles: MUSER_GPU_TILE strings separated by ";" ("" = default)')
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--graph", type=int, default=0, metavar="K",
+                    help="tiles, step: also the device time from K and 3K copies in one graph (0: off)")
     ap.add_argument("--rounds", type=int, default=5, help="paths: alternating rounds of each path")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace-dir", default="out/traces", help="trace: where the chrome traces go")
@@ -449,7 +550,7 @@ def main(argv=None) -> int:
     args.variants = args.variants.split(";")
     rows: list = []
     {"tiles": tiles, "step": step, "trace": trace, "launch": launch, "paths": paths,
-     "stephost": stephost}[args.mode](args, rows)
+     "stephost": stephost, "readback": readback}[args.mode](args, rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=1))
