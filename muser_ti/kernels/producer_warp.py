@@ -106,8 +106,10 @@ UNROLL = {"cuda": 8}  # WU, by arch (1 elsewhere): steps of the score loop (4 di
 #            one process, run 14): 163.7 / 159.3 / 157.0 / 140.2 us at 131,072 keys for WU = 1 / 2 / 4 / 8
 #            (85.5 / 82.6 / 86.1 / 74.8 at 32,768), block tile 175.0 (79.3).  The price: ~50 s to compile
 #            a producer on CUDA the first time (Taichi's offline cache keeps it), 2.4 s at WU = 1.  Not on
-#            SPIR-V: lavapipe (CI) took over 10 minutes to compile the one-dispatch step with WU = 8, and the
-#            H200's Vulkan driver was not measured with it
+#            SPIR-V: lavapipe (CI) took over 10 minutes to compile the one-dispatch step with WU = 8, and on the
+#            H200's Vulkan driver WU = 4 ran one NoPE layer at 131,072 keys in 656 against 200 us (device time
+#            from graph replays, docs/PERF.md run 26; no launch bound there, so the driver picks the registers).
+#            The other knobs lost there too: WW=1 / WW=2 / HW=2 / the block tile 306 / 256 / 248 / 306 us
 SHUFFLE_MAX = {}  # XM, by arch (0 elsewhere): the tile max of a head over its RGL lanes by a butterfly of
 #                   log2(RGL) warp shuffles, where shared memory takes a store, a warp sync and a chain of RGL - 1
 #                   loads per head.  Max is exact, so the bits are XM=0's (checked on the H200 at 2,048-131,072
