@@ -21,7 +21,8 @@
 #   trace  a CUDA step's timeline through torch.profiler (kernels, gaps, driver calls) and its Python time
 #   cudaab CUDA steps on the tree in $AB_OLD and on this one
 #   launch what one Taichi dispatch costs the host on CUDA and Vulkan (scripts/tune_gpu.py launch)
-#   paths  the one-dispatch step against the graph route, one process per backend (tune_gpu.py paths)
+#   paths  the one-dispatch step against the graph route, one process per backend (tune_gpu.py paths; PATHS_WHICH,
+#          PATHS_ARCHS, PATHS_DEPTHS, PATHS_TIMEOUT)
 #   hostab steps and one deep layer on this tree and on the tree in $AB_OLD (an older commit), the
 #          trace on this one, then Vulkan steps on both
 #   warpab the warp-tiled producer (default) against the block tile (MUSER_GPU_TILE=WT=0): accuracy and
@@ -237,10 +238,10 @@ if [ "$what" = launch ]; then
     echo "== launch $arch rc=$?"; grep -E '^\{' "$OUT/launch-$arch.log" | cut -c1-260
   done
 fi
-if [ "$what" = paths ]; then
-  for arch in cuda vulkan; do
+if [ "$what" = paths ]; then  # PATHS_WHICH=one,direct on PATHS_ARCHS=vulkan: run 26's lead, graph or not
+  for arch in ${PATHS_ARCHS:-cuda vulkan}; do
     timeout ${PATHS_TIMEOUT:-200} python3 scripts/tune_gpu.py paths --arch $arch --depths ${PATHS_DEPTHS:-2048,131072} \
-      --rounds 3 --repeats 10 --json "$OUT/paths-$arch.json" > "$OUT/paths-$arch.log" 2>&1
+      --paths ${PATHS_WHICH:-one,graph} --rounds 3 --repeats 10 --json "$OUT/paths-$arch.json" > "$OUT/paths-$arch.log" 2>&1
     echo "== paths $arch rc=$?"; grep -E '^\{' "$OUT/paths-$arch.log" | python3 -c '
 import json, sys
 for l in sys.stdin:

@@ -35,7 +35,9 @@ host's issue time) and with one; and the same kernels called from Python.
 
 paths: the one-dispatch step (kernels/step_gpu.py) against the graph route, in one process and on the
 same engine, in alternating rounds of each: step() and step_device(), to the device's completion,
-with the host's time inside Taichi's graph launch (C++ included).  Run 11 also kept the CUDA driver's
+with the host's time inside Taichi's graph launch (C++ included).  --paths one,direct,graph picks them;
+"direct" is the one dispatch (and step_device's scan) launched from Python instead of a ti.graph, which
+came back sooner on the H200's Vulkan in three of four single measurements (docs/PERF.md run 26).  Run 11 also kept the CUDA driver's
 default memory pool (Taichi's per-launch buffers) across synchronisations: no change, so it is gone.
 Between processes on the lent H200 the host's speed moved torch's launch-bound step by 1.7x (run 11),
 more than the difference measured here.
@@ -424,6 +426,13 @@ def launch(args, rows) -> None:
     emit({"what": "launch cost", "arch": args.arch, "idle_sync_us": median_s(ti.sync, args.repeats * 4) * 1e6}, rows)
 
 
+PATHS = {  # paths' names: (--paths key, the one-dispatch step kernel?, its dispatches launched from Python?)
+    "one dispatch": ("one", True, False),
+    "one dispatch, launched from Python": ("direct", True, True),  # no ti.graph: run 26's lead on Vulkan
+    "graph route": ("graph", False, False),
+}
+
+
 def paths(args, rows) -> None:
     """One-dispatch step against the graph route: see the module docstring."""
     import taichi as ti
@@ -454,9 +463,13 @@ def paths(args, rows) -> None:
         calls = {"step": lambda: (eng.step(q, k, v), ti.sync()),
                  "step_device": lambda: (eng.step_device(*dev, out), ti.sync())}
         times, launches, runs = {}, {}, {}
+        graphed = eng._replay
+        direct = lambda dispatches, external=(): [kernel(*a) for kernel, a in dispatches]  # noqa: E731
+        chosen = [p for p in PATHS if PATHS[p][0] in args.paths]
         for _ in range(args.rounds):
-            for path, kernel in (("one dispatch", one), ("graph route", None)):
-                eng._step_kernel = kernel
+            for path in chosen:
+                eng._step_kernel = one if PATHS[path][1] else None
+                eng._replay = direct if PATHS[path][2] else graphed
                 for way, call in calls.items():
                     eng.rewind(base)
                     in_run[0] = 0.0
@@ -464,7 +477,7 @@ def paths(args, rows) -> None:
                                                                             settle=ti.sync))
                     runs.setdefault((path, way), []).append(in_run[0] / (args.repeats + 2))
                     launches[path, way] = eng.launches_last_step
-        eng._step_kernel = one
+        eng._step_kernel, eng._replay = one, graphed
         for (path, way), ts in times.items():
             emit({"what": "step path", "arch": eng.arch, "depth": depth, "path": path, "way": way,
                   "median_us": statistics.median(ts) * 1e6, "round_medians_us": [t * 1e6 for t in ts],
@@ -540,7 +553,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--graph", type=int, default=0, metavar="K",
                     help="tiles, step: also the device time from K and 3K copies in one graph (0: off)")
-    ap.add_argument("--rounds", type=int, default=5, help="paths: alternating rounds of each path")
+    ap.add_argument("--rounds", type=int, default=5, help="paths, readback: alternating rounds of each")
+    ap.add_argument("--paths", default="one,graph", help="paths: which, of one, direct and graph")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace-dir", default="out/traces", help="trace: where the chrome traces go")
     ap.add_argument("--layers", action="store_true", help="trace: also one NoPE layer's kernels per depth")
