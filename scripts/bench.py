@@ -87,6 +87,38 @@ def random_token(c: mt.Geometry, rng) -> tuple[np.ndarray, np.ndarray, np.ndarra
                   (c.n_layers, c.n_kv_heads, c.head_dim)))
 
 
+GRAPH_REPLAYS = 8  # K of graph_repeat_us for a GPU layer without CUPTI (Vulkan): 8 and 24 pairs a graph
+
+
+def recorded_dispatches(eng: mt.Engine, launch) -> list:
+    """The (kernel, args) dispatches that ``launch`` makes, recorded by Engine._launch, not launched."""
+    eng._recorded = []
+    try:
+        launch()
+        return eng._recorded
+    finally:
+        eng._recorded = None
+
+
+def graph_repeat_us(dispatches, k: int, repeats: int) -> float:
+    """The device's time in us for one run of ``dispatches``: replayed k and 3k times as one ti.graph each,
+    to completion; (t(3k) - t(k)) / 2k, so a run's fixed costs (a Vulkan wait among them) cancel.  An upper
+    bound: where the device outruns the host's issue of a dispatch in a graph, it is that issue's cost
+    (docs/PERF.md run 26: 117.5 against CUPTI's 105 us for one CUDA layer at 131,072 keys, and the host's
+    ~55 us a pair at 2,048)."""
+    import taichi as ti
+
+    from muser_ti.replay import GraphReplay
+
+    replay = GraphReplay()
+
+    def run(n):
+        replay.run(dispatches * n)
+        ti.sync()
+
+    return (median_time(lambda: run(3 * k), repeats) - median_time(lambda: run(k), repeats)) / (2 * k) * 1e6
+
+
 def rewound_median(eng: mt.Engine, call, repeats: int, warmup: int, settle=None) -> float:
     """Median seconds of ``call`` (one step) at the engine's depth; rewinds between repeats and ``settle``
     run untimed, and the last step is left in place, so the planes then hold what the timed steps attended."""
@@ -235,7 +267,9 @@ def bench_step(base, depth, arch, peers: Peers, rng, repeats) -> dict:
 def gpu_layer(base, route, depth, arch, rng, repeats, torch) -> dict:
     """One layer's producer + reducer.  On CUDA with torch: the GPU's busy time per launch pair from CUPTI
     (cupti_layer_row); with MUSER_TI_KERNEL_PROFILER=1, Taichi's kernel profiler (which overstates short
-    tasks, docs/PERF.md run 10); else (Vulkan) the wall time of 10 back-to-back pairs."""
+    tasks, docs/PERF.md run 10); else (Vulkan) the device time from graph replays (graph_repeat_us), with
+    the wall time of 10 back-to-back pairs from Python beside it (host_wall_ms; Vulkan's rows up to run 25),
+    which on the H200's Vulkan is mostly the host's launches (run 26)."""
     import taichi as ti
 
     cfg = layer_geometry(base, route, depth)
@@ -271,8 +305,12 @@ def gpu_layer(base, route, depth, arch, rng, repeats, torch) -> dict:
                     launch()
                 ti.sync()
                 times.append((time.perf_counter() - t0) / 10)
-        row.update({"what": f"1 layer {route}" + (" (device)" if profiled else " (wall)"),
-                    "ours_ms": statistics.median(times) * 1e3})
+        if profiled:
+            row.update({"what": f"1 layer {route} (device)", "ours_ms": statistics.median(times) * 1e3})
+        else:
+            device_us = graph_repeat_us(recorded_dispatches(eng, launch), GRAPH_REPLAYS, repeats)
+            row.update({"what": f"1 layer {route} (device, graph replays)", "ours_ms": device_us * 1e-3,
+                        "host_wall_ms": statistics.median(times) * 1e3})
         if tasks:  # where the device time goes: each kernel's tasks (a serial one computes a range-for's bound)
             row["tasks_ms"] = {name: statistics.median(ms) for name, ms in tasks.items()}
     if torch is not None:

@@ -37,8 +37,9 @@ paths: the one-dispatch step (kernels/step_gpu.py) against the graph route, in o
 same engine, in alternating rounds of each: step() and step_device(), to the device's completion,
 with the host's time inside Taichi's graph launch (C++ included).  --paths one,direct,graph picks them;
 "direct" is the one dispatch (and step_device's scan) launched from Python instead of a ti.graph, which
-came back sooner on the H200's Vulkan in three of four single measurements (docs/PERF.md run 26).  Run 11 also kept the CUDA driver's
-default memory pool (Taichi's per-launch buffers) across synchronisations: no change, so it is gone.
+came back sooner on the H200's Vulkan in three of four single measurements (docs/PERF.md run 26).
+Run 11 also kept the CUDA driver's default memory pool (Taichi's per-launch buffers) across
+synchronisations: no change, so it is gone.
 Between processes on the lent H200 the host's speed moved torch's launch-bound step by 1.7x (run 11),
 more than the difference measured here.
 
@@ -73,8 +74,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import muser_ti as mt  # noqa: E402
-from bench import (cupti_layer_row, device_token, layer_geometry, median_time as median_s, prefill,  # noqa: E402
-                   random_token, rewound_median)
+from bench import (cupti_layer_row, device_token, graph_repeat_us, layer_geometry,  # noqa: E402
+                   median_time as median_s, prefill, random_token, recorded_dispatches, rewound_median)
 from cupti import profile_calls, summarize_trace  # noqa: E402
 from muser_ti.kernels.common import HEAD_MAJOR  # noqa: E402
 from muser_ti.kernels.producer import addressing, build_gpu_producer, tile_plan  # noqa: E402
@@ -161,39 +162,11 @@ def tiles(args, rows) -> None:
 
             row["wall_us"] = median_s(burst, args.repeats) / 20 * 1e6
             if args.graph:
-                row["graph_us"] = graph_pair_us(eng, launch, args.graph, args.repeats)
+                row["graph_us"] = graph_repeat_us(recorded_dispatches(eng, launch), args.graph, args.repeats)
             row["workgroups"] = eng.split_geometry(depth, 1)[0]
             emit(row, rows)
         os.environ.pop("MUSER_GPU_TARGET_WORKGROUPS", None)
 
-
-
-def graph_pair_us(eng, launch, k: int, repeats: int) -> float:
-    """One producer + reducer pair's device time in us: the pair ``launch`` makes, recorded (Engine._launch)
-    and replayed by graph_repeat_us."""
-    eng._recorded = []
-    try:
-        launch()
-        pair = eng._recorded
-    finally:
-        eng._recorded = None
-    return graph_repeat_us(pair, k, repeats)
-
-
-def graph_repeat_us(dispatches, k: int, repeats: int) -> float:
-    """The device's time in us for one run of ``dispatches``: replayed k and 3k times as one ti.graph each,
-    to completion; (t(3k) - t(k)) / 2k.  An upper bound: where the device outruns the host's issue of a
-    dispatch in a graph, it is that issue's cost instead."""
-    import taichi as ti
-    from muser_ti.replay import GraphReplay
-
-    replay = GraphReplay()
-
-    def run(n):
-        replay.run(dispatches * n)
-        ti.sync()
-
-    return (median_s(lambda: run(3 * k), repeats) - median_s(lambda: run(k), repeats)) / (2 * k) * 1e6
 
 
 def step(args, rows) -> None:
