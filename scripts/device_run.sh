@@ -10,8 +10,8 @@
 #   figures  quick, then Vulkan tile variants by wall time (TUNE_VARIANTS)
 #   kernel after a producer change: CUDA layers at two workgroup targets, and ncu on one deep layer
 #   tune   tile variants of the GPU producer in one process, with ptxas -v on each (scripts/tune_gpu.py; TUNE_TIMEOUT)
-#   vktune tile variants of the GPU producer on Vulkan (NVIDIA's driver), by wall time, in one process
-#          (TUNE_VARIANTS, TUNE_DEPTHS, TUNE_TIMEOUT; no profiler there, see `bench`)
+#   vktune tile variants of the GPU producer on Vulkan (NVIDIA's driver) in one process, by wall time and by
+#          graph replays (TUNE_VARIANTS, TUNE_DEPTHS, TUNE_TIMEOUT, TUNE_GRAPH; TUNE_CUDA: the same on CUDA)
 #   vkab   after a change to Vulkan's per-token host path: what reading the flags back costs (tune_gpu.py
 #          readback) on both backends, then Vulkan steps (VKAB_DEPTHS) on $AB_OLD and this tree, VKAB_ROUNDS
 #          rounds in alternation
@@ -172,7 +172,7 @@ for l in sys.stdin:
           r.get("device_us", 0), r.get("wall_us", 0), r.get("rel_err", -1), r.get("bits_as_default"), r.get("first_launch_s"), r.get("error", "")))'
   ptx_report
 fi
-vk_rows() {  # tiles rows: wall and graph-replay times
+tile_rows() {  # tune_gpu.py tiles rows: wall and graph-replay times
   grep -E '^\{' "$1" | python3 -c '
 import json, sys
 for l in sys.stdin:
@@ -181,14 +181,14 @@ for l in sys.stdin:
           r["depth"], r.get("wall_us", 0), r.get("graph_us", 0), r.get("rel_err", -1), r.get("bits_as_default"),
           r.get("first_launch_s"), r.get("workgroups"), r.get("error", "")))'
 }
-if [ "$what" = vktune ]; then  # the warp tile's knobs on SPIR-V: wall of 20 back-to-back launches a variant
+if [ "$what" = vktune ]; then  # the warp tile's knobs on SPIR-V, each variant's layer timed two ways
   timeout ${TUNE_TIMEOUT:-400} python3 scripts/tune_gpu.py tiles --arch vulkan --depths ${TUNE_DEPTHS:-32768,131072} \
     --variants "${TUNE_VARIANTS:-}" --graph ${TUNE_GRAPH:-8} --json "$OUT/tune-vulkan.json" > "$OUT/tune-vulkan.log" 2>&1
-  echo "== tune vulkan rc=$?"; vk_rows "$OUT/tune-vulkan.log"
+  echo "== tune vulkan rc=$?"; tile_rows "$OUT/tune-vulkan.log"
   if [ -n "${TUNE_CUDA:-}" ]; then  # the same timing on CUDA, where CUPTI's figures check it (TUNE_CUDA: variants)
-    timeout 200 python3 scripts/tune_gpu.py tiles --arch cuda --depths ${TUNE_DEPTHS:-32768,131072} \
+    timeout ${TUNE_CUDA_TIMEOUT:-200} python3 scripts/tune_gpu.py tiles --arch cuda --depths ${TUNE_DEPTHS:-32768,131072} \
       --variants "$TUNE_CUDA" --graph ${TUNE_GRAPH:-8} --json "$OUT/tune-cuda.json" > "$OUT/tune-cuda.log" 2>&1
-    echo "== tune cuda rc=$?"; vk_rows "$OUT/tune-cuda.log"
+    echo "== tune cuda rc=$?"; tile_rows "$OUT/tune-cuda.log"
   fi
 fi
 if [ "$what" = hoststep ]; then  # where a step's wall time goes, CUDA and Vulkan; Vulkan tile variants by wall time

@@ -412,6 +412,11 @@ def paths(args, rows) -> None:
 
     from muser_ti import replay
 
+    wanted = set(args.paths.split(","))
+    known = {key for key, _, _ in PATHS.values()}
+    if wanted - known:
+        raise SystemExit(f"paths --paths: {sorted(wanted - known)}; expected some of {sorted(known)}")
+    chosen = [path for path, (key, _, _) in PATHS.items() if key in wanted]
     cfg = mt.load_config(args.config)
     rng = np.random.default_rng(args.seed)
     in_run = [0.0]
@@ -438,11 +443,11 @@ def paths(args, rows) -> None:
         times, launches, runs = {}, {}, {}
         graphed = eng._replay
         direct = lambda dispatches, external=(): [kernel(*a) for kernel, a in dispatches]  # noqa: E731
-        chosen = [p for p in PATHS if PATHS[p][0] in args.paths]
         for _ in range(args.rounds):
             for path in chosen:
-                eng._step_kernel = one if PATHS[path][1] else None
-                eng._replay = direct if PATHS[path][2] else graphed
+                _, one_dispatch, from_python = PATHS[path]
+                eng._step_kernel = one if one_dispatch else None
+                eng._replay = direct if from_python else graphed
                 for way, call in calls.items():
                     eng.rewind(base)
                     in_run[0] = 0.0
