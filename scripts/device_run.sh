@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (the device tool): set up Taichi from the carried wheel and the Vulkan
 # loader from the carried .debs, then run what $1 asks:
-#   bench  CUDA + Vulkan benchmarks (layers: GPU busy time from CUPTI on CUDA, wall on Vulkan; steps: wall
-#          time), and the workgroup-cap A/B
+#   bench  CUDA + Vulkan benchmarks (layers: GPU busy time from CUPTI on CUDA, graph replays on Vulkan; steps:
+#          wall time), and the workgroup-cap A/B (BENCH_ARCHS, BENCH_MODES, BENCH_CAPS: "" skips the A/B;
+#          BENCH_STEP_TIMEOUT: a cold CUDA step build took over 150 s in run 27)
 #   quick  CUDA layers and steps, Vulkan steps (after a kernel change)
 #   tests  the parametrised suite on CUDA and Vulkan (TEST_WORKERS, TEST_SHARD, TEST_ARGS, TEST_TIMEOUT)
 #   steps  the 52-layer step on CUDA and Vulkan
@@ -69,14 +70,19 @@ for l in sys.stdin:
           ("  tasks (us) " + " ".join("%s %.1f" % (k, v * 1e3) for k, v in r["tasks_ms"].items()) if "tasks_ms" in r else "") +
           ("  kernels (us) " + " ".join("%s %.1f" % (k[:28], v) for k, v in r["kernel_us"].items()) if "kernel_us" in r else ""))'
 }
-if [ "$what" = bench ]; then
-  for arch in cuda vulkan; do
+if [ "$what" = bench ]; then  # all of it takes ~900 s of limits: split it over calls with BENCH_ARCHS/MODES/CAPS
+  for arch in ${BENCH_ARCHS-cuda vulkan}; do  # BENCH_ARCHS="": none (":-" would read it as unset)
+    case " ${BENCH_MODES:-layers steps} " in *" layers "*)
     bench $arch-layers timeout 200 python3 scripts/bench.py --arch $arch --mode layers \
-      --layer-depths 2048,8192,32768,131072 --routes interleaved,splitk --repeats 15 --json "$OUT/$arch-layers.json"
-    bench $arch-steps timeout 150 python3 scripts/bench.py --arch $arch --mode steps --step-depths 2048,32768,131072 \
-      --repeats 15 --json "$OUT/$arch-steps.json"
+      --layer-depths 2048,8192,32768,131072 --routes interleaved,splitk --repeats 15 --json "$OUT/$arch-layers.json";; esac
+    case " ${BENCH_MODES:-layers steps} " in *" steps "*)
+    bench $arch-steps timeout ${BENCH_STEP_TIMEOUT:-360} python3 scripts/bench.py --arch $arch --mode steps --step-depths 2048,32768,131072 \
+      --repeats 15 --json "$OUT/$arch-steps.json";; esac
   done
-  for target in 1 2112; do  # the chapter's cap (nwg = 32 per KV head) and 4x the default target
+  # one NoPE layer has 2 pairs (KV heads): 64 is the chapter's cap (nwg = 32 a pair), 264 the default (132),
+  # 2112 GPU_MAX_WORKGROUPS (1,024).  Up to run 26 this list began at 1: the chapter's cap only while the first
+  # kernel floored nwg at 32 a pair; since the tiled producer (e808ab1, runs 5-6) it gives nwg = 1
+  for target in ${BENCH_CAPS-64 264 2112}; do
     bench cap-$target MUSER_GPU_TARGET_WORKGROUPS=$target timeout 100 python3 scripts/bench.py \
       --arch cuda --mode layers --layer-depths 32768,131072 --routes interleaved --repeats 15 --json "$OUT/cap-$target.json"
   done
