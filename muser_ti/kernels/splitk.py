@@ -46,7 +46,10 @@ def splitk_geometry(visible: int) -> tuple[int, int]:
 # was 256 threads at 128 registers in run 7), so the target is one wave of them: 132 SMs x 2.  Measured
 # on the H200 (run 7, 256-thread tiles): one NoPE layer at 131,072 / 32,768 keys took 257 / 101 us at 264
 # against 335 / 132 us at 396 and 273 / 140 us at 528 (run 5, 128-thread tiles: 116 against 154 us at
-# 32,768).
+# 32,768).  With the warp-tiled producer (run 27, CUPTI, one process per target): the chapter's cap (target
+# 64, nwg 32 a pair) costs 2.45x at 131,072 keys (254 against 104 us) and 1.80x at 32,768 (70 against 39);
+# 64 workgroups busy 64 of 132 SMs, which alone would cost 2.06x.  The most, 1,024 a pair, takes 214 us
+# there: the producer 143 us and the reducer 71 us (each thread folds its partials one after another).
 GPU_TARGET_WORKGROUPS = 264
 GPU_MAX_WORKGROUPS = 1024
 
