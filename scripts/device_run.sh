@@ -16,6 +16,10 @@
 #   vkab   after a change to Vulkan's per-token host path: what reading the flags back costs (tune_gpu.py
 #          readback) on both backends, then Vulkan steps (VKAB_DEPTHS) on $AB_OLD and this tree, VKAB_ROUNDS
 #          rounds in alternation
+#   vkwait what a Vulkan wait costs under the guest's idle states held off (/dev/cpu_dma_latency = 0) and under the
+#          driver's yield settings (__GL_YIELD): readback per way, one process each; tune_gpu.py wake; then Vulkan
+#          steps (VKWAIT_WAYS, VKWAIT_ROUNDS, VKWAIT_STEP_WAY, VKWAIT_DEPTHS, VKWAIT_TIMEOUT; PACK_OUT=1: it writes
+#          more than 8 files)
 #   ncu    ncu's counters on one NoPE layer at 131,072 keys
 #   stalls ncu's stall reasons for that layer's producer (or STALLS_KERNEL), and its SASS lines by stall samples
 #   hoststep  where a 52-layer step's wall time goes on CUDA and Vulkan; Vulkan tile variants by wall time
@@ -274,6 +278,56 @@ if [ "$what" = vkab ]; then  # AB_OLD=build/ab_old, as hostab
   for round in $(seq 1 ${VKAB_ROUNDS:-2}); do  # the first process compiles the step (Taichi's cache serves the rest)
     ab_bench vulkan-steps-$round timeout ${VKAB_TIMEOUT:-200} python3 scripts/bench.py --arch vulkan --mode steps \
       --step-depths ${VKAB_DEPTHS:-2048} --repeats 15 --json @JSON@
+  done
+fi
+if [ "$what" = vkwait ]; then  # what a Vulkan wait's ~560 us is (run 26: 2-3 us on CUDA, whose sync spins): the
+  # guest's idle states (a vCPU that halts while the host thread waits may wake late: latency0 holds
+  # /dev/cpu_dma_latency at 0 so the idle loop polls) or the driver's way of waiting (__GL_YIELD, documented for
+  # NVIDIA's OpenGL; whether its Vulkan driver reads it is what this finds out).  Readback per way in alternating
+  # rounds (VKWAIT_ROUNDS), then Vulkan steps (VKWAIT_DEPTHS) plain and under VKWAIT_STEP_WAY
+  { cat /sys/devices/system/cpu/cpuidle/current_driver /sys/devices/system/cpu/cpuidle/current_governor_ro
+    grep -H . /sys/devices/system/cpu/cpu0/cpuidle/state*/name /sys/devices/system/cpu/cpu0/cpuidle/state*/latency
+  } > "$OUT/cpuidle.txt" 2>&1; cat "$OUT/cpuidle.txt"
+  way_env() {  # way -> the environment it runs under (plain and latency0: a label only)
+    case $1 in
+      plain|latency0) echo MUSER_VKWAIT=$1;;
+      yield-nothing) echo __GL_YIELD=NOTHING;;
+      yield-usleep) echo __GL_YIELD=USLEEP;;
+      *) echo "vkwait: unknown way $1 (plain, latency0, yield-nothing, yield-usleep)" >&2; return 2;;
+    esac
+  }
+  holder=
+  hold() {  # latency0: PM QoS holds the request while the file stays open, so a process keeps it open
+    [ "$1" = latency0 ] || return 0
+    python3 -c 'import sys, time; sys.path.insert(0, "scripts"); from wake_latency import hold_wake_latency
+with hold_wake_latency(0): time.sleep(3600)' & holder=$!
+    sleep 0.5
+  }
+  release() { [ -z "$holder" ] || kill "$holder"; holder=; }
+  for round in $(seq 1 ${VKWAIT_ROUNDS:-2}); do
+    for way in ${VKWAIT_WAYS:-plain latency0 yield-nothing yield-usleep}; do
+      e=$(way_env $way) || continue
+      hold $way
+      env $e timeout 90 python3 scripts/tune_gpu.py readback --arch vulkan --rounds 1 \
+        --json "$OUT/readback-$way-$round.json" > "$OUT/readback-$way-$round.log" 2>&1
+      echo "== readback $way round $round rc=$?"; release
+      grep -E '^\{' "$OUT/readback-$way-$round.log" | cut -c1-150
+    done
+  done
+  # one process, one engine: free, held, free again (tune_gpu.py wake); it compiles the step (~90 s), which
+  # Taichi's cache then serves to the bench processes
+  timeout ${VKWAIT_TIMEOUT:-200} python3 scripts/tune_gpu.py wake --arch vulkan --depths ${VKWAIT_DEPTHS:-2048} \
+    --rounds 2 --json "$OUT/wake-vulkan.json" > "$OUT/wake-vulkan.log" 2>&1; echo "== wake vulkan rc=$?"
+  grep -E '^\{' "$OUT/wake-vulkan.log" | python3 -c '
+import json, sys
+for r in map(json.loads, sys.stdin):
+    print("  %-16s %-28s %9.1f us  rounds %s" % (r["phase"], r["way"], r["median_us"], " ".join("%.0f" % t for t in r["round_medians_us"])))'
+  for way in plain ${VKWAIT_STEP_WAY:-latency0}; do
+    e=$(way_env $way) || continue
+    hold $way
+    bench vulkan-steps-$way $e timeout ${VKWAIT_TIMEOUT:-200} python3 scripts/bench.py --arch vulkan \
+      --mode steps --step-depths ${VKWAIT_DEPTHS:-2048} --repeats 15 --json "$OUT/vulkan-steps-$way.json"
+    release
   done
 fi
 if [ "$what" = kernelab ]; then  # AB_OLD=build/ab_old, as hostab

@@ -8,6 +8,7 @@
     python scripts/tune_gpu.py paths --arch cuda --depths 2048,131072
     python scripts/tune_gpu.py stephost --arch cuda --depth 2048
     python scripts/tune_gpu.py readback --arch vulkan --rounds 3
+    python scripts/tune_gpu.py wake --arch vulkan --depths 2048 --rounds 3     # as root
 
 tiles: one NoPE layer (interleaved producer + reducer) per depth, prefilled once; every tile variant
 (a MUSER_GPU_TILE string, "" = the default plan) is built, checked against the float64 reference on
@@ -55,11 +56,19 @@ one wait a token): an idle sync, the kernel and a sync, and the kernel followed 
 an i32 array back (transfer.py's download, to_numpy, indexing it from Python) or a kernel that
 returns the flagged bits as its value.
 
+wake (as root): readback's ways and whole steps (step and step_device, each to the device's completion),
+with the CPUs' wake-up latency free, then held at 0 (scripts/wake_latency.py: the idle loop polls instead
+of halting), then free again, --rounds rounds each, on one engine per depth.  On a VM a waiting thread's
+vCPU may halt until the device's interrupt wakes it.  On lavapipe here (run 27) the engine's download after a
+kernel fell from 727-788 to 320-340 us held, and stayed there in the same process after the release, so
+"free after held" is its own phase, not a round of "free".
+
 Every figure is a median; rows are printed as JSON lines and written to --json.
 """
 
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -276,16 +285,14 @@ def trace_layer(args, rows, base_cfg, depth: int, rng) -> None:
           "python_top": []}, rows)
 
 
-def readback(args, rows) -> None:
-    """Ways to read the token flags back, each after a kernel that wrote them: see the module docstring."""
+def readback_ways(eng: mt.Engine) -> dict:
+    """The ways to learn a few device flags that a kernel just wrote (readback's rows), on eng's arch."""
     import taichi as ti
 
     from muser_ti.kernels.stores import TOKEN_FLAGS
     from muser_ti.transfer import Transfer
 
-    cfg = mt.load_config(args.config)
-    mt.Engine(cfg, arch=args.arch, pinned="off")  # Taichi up on the arch
-    shape = (TOKEN_FLAGS + cfg.n_layers,)
+    shape = (TOKEN_FLAGS + eng.cfg.n_layers,)
     flags = ti.ndarray(ti.i32, shape)
     flags.fill(0)
     transfer = Transfer()
@@ -316,7 +323,7 @@ def readback(args, rows) -> None:
     def bits_of(host):
         return sum(1 << i for i in range(TOKEN_FLAGS) if host[i] == stamp[0])
 
-    ways = {
+    return {
         "idle sync": ti.sync,
         "kernel + sync": lambda: (mark(flags, 0), ti.sync()),
         "kernel + transfer.download": marked(lambda: bits_of(transfer.download(flags, shape))),
@@ -324,11 +331,55 @@ def readback(args, rows) -> None:
         "kernel + index from Python": marked(lambda: bits_of([flags[i] for i in range(TOKEN_FLAGS)])),
         "kernel + returning kernel": marked(lambda: flagged_bits(flags, stamp[0])),
     }
+
+
+def readback(args, rows) -> None:
+    """Ways to read the token flags back, each after a kernel that wrote them: see the module docstring."""
+    ways = readback_ways(mt.Engine(mt.load_config(args.config), arch=args.arch, pinned="off"))
     for _ in range(args.rounds):  # alternating rounds: a slow spell of the host falls on every way
         for name, call in ways.items():
             row = {"what": "readback", "arch": args.arch, "way": name,
                    "median_us": median_s(call, args.repeats, warmup=3) * 1e6}
             emit(row, rows)
+
+
+def wake(args, rows) -> None:
+    """Readback's ways and whole steps with the CPUs' wake-up latency free, held at 0 (scripts/wake_latency.py),
+    then free again, on one engine per depth: see the module docstring."""
+    import taichi as ti
+
+    from wake_latency import cpuidle_description, hold_wake_latency
+
+    cfg = mt.load_config(args.config)
+    rng = np.random.default_rng(args.seed)
+    idle = cpuidle_description()
+    for depth in args.depths:
+        eng = mt.Engine(cfg, arch=args.arch, pinned="off")
+        prefill(eng, depth - 1, rng)
+        base = eng.position
+        q, k, v = random_token(cfg, rng)
+        dev = device_token(q, k, v)
+        out = ti.ndarray(ti.f32, q.shape)
+        ways = readback_ways(eng)
+        steps = {"step + sync": lambda: (eng.step(q, k, v), ti.sync()),
+                 "step_device + sync": lambda: (eng.step_device(*dev, out), ti.sync())}
+        times: dict = {}
+        # phases, not alternation: on lavapipe here, once held the latency stayed low for the process after
+        # release (run 27), so a free round after a held one would not measure "free"; the third phase says
+        # whether this host keeps it too
+        for phase in ("free", "held", "free after held"):
+            with hold_wake_latency(0) if phase == "held" else contextlib.nullcontext():
+                for _ in range(args.rounds):
+                    for name, call in ways.items():
+                        times.setdefault((phase, name), []).append(median_s(call, args.repeats, warmup=3))
+                    for name, call in steps.items():
+                        eng.rewind(base)
+                        times.setdefault((phase, name), []).append(
+                            rewound_median(eng, call, args.repeats, warmup=2, settle=ti.sync))
+        for (phase, name), ts in times.items():
+            emit({"what": "wake latency", "arch": eng.arch, "depth": depth, "phase": phase, "way": name,
+                  "median_us": statistics.median(ts) * 1e6, "round_medians_us": [t * 1e6 for t in ts],
+                  "cpuidle": idle}, rows)
 
 
 def python_profile(call, repeats: int, before, top: int = 12) -> list:
@@ -522,16 +573,16 @@ def stephost(args, rows) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("tiles", "step", "trace", "launch", "paths", "stephost", "readback"))
+    ap.add_argument("mode", choices=("tiles", "step", "trace", "launch", "paths", "stephost", "readback", "wake"))
     ap.add_argument("--arch", default="cuda")
     ap.add_argument("--config", default="glimmer.yaml")
-    ap.add_argument("--depths", default="2048,131072", help="tiles, trace, paths: comma-separated key counts")
+    ap.add_argument("--depths", default="2048,131072", help="tiles, trace, paths, wake: comma-separated key counts")
     ap.add_argument("--depth", type=int, default=2048, help="step: the depth")
     ap.add_argument("--variants", default="", help='tiles: MUSER_GPU_TILE strings separated by ";" ("" = default)')
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--graph", type=int, default=0, metavar="K",
                     help="tiles, step: also the device time from K and 3K copies in one graph (0: off)")
-    ap.add_argument("--rounds", type=int, default=5, help="paths, readback: alternating rounds of each")
+    ap.add_argument("--rounds", type=int, default=5, help="paths, readback, wake: alternating rounds of each")
     ap.add_argument("--paths", default="one,graph", help="paths: which, of one, direct and graph")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace-dir", default="out/traces", help="trace: where the chrome traces go")
@@ -542,7 +593,7 @@ def main(argv=None) -> int:
     args.variants = args.variants.split(";")
     rows: list = []
     {"tiles": tiles, "step": step, "trace": trace, "launch": launch, "paths": paths,
-     "stephost": stephost, "readback": readback}[args.mode](args, rows)
+     "stephost": stephost, "readback": readback, "wake": wake}[args.mode](args, rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=1))
