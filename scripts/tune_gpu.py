@@ -52,7 +52,8 @@ flags read stubbed out, rewound after each (rewind_us apart).  (Run 13 also time
 step's arguments and trivial bodies; those had its 32 arguments and are gone with them.)
 
 readback: what it costs the host to learn a few device flags after a kernel wrote them (step_device's
-one wait a token): an idle sync, the kernel and a sync, and the kernel followed by each way of reading
+one wait a token): an idle sync, the engine's download with nothing to wait for, the kernel and a sync,
+and the kernel followed by each way of reading
 an i32 array back (transfer.py's download, to_numpy, indexing it from Python) or a kernel that
 returns the flagged bits as its value.
 
@@ -325,6 +326,8 @@ def readback_ways(eng: mt.Engine) -> dict:
 
     return {
         "idle sync": ti.sync,
+        # the download with no kernel to wait for: its own fixed cost (copy kernel, buffers, one more wait)
+        "idle transfer.download": lambda: transfer.download(flags, shape),
         "kernel + sync": lambda: (mark(flags, 0), ti.sync()),
         "kernel + transfer.download": marked(lambda: bits_of(transfer.download(flags, shape))),
         "kernel + to_numpy": marked(lambda: bits_of(flags.to_numpy())),
