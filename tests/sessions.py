@@ -4,7 +4,7 @@ import numpy as np
 
 import muser_ti as mt
 from muser_ti import ladder
-from muser_ti.reference import relative_error
+from muser_ti.reference import attention, relative_error
 from muser_ti.tolerances import F32_ROUTE_RTOL, F32_ROUTE_RTOL_LARGE, LLAMA_CPU_VTOL
 
 
@@ -39,7 +39,9 @@ class Session:
         self.rng = np.random.default_rng(seed)
         self.dist = dist
         self.worst = 0.0
-        self.history_k = []  # f32 k per position, to aim peaked queries at a past key
+        # f32 k and v per position the engine accepted: peaked queries aim at a past key, and
+        # history_reference attends them without the engine's planes (record, record_rows, truncate)
+        self.history_k, self.history_v = [], []
         self.max_abs_v = 0.0  # the llama rung's error bound scales with |V| (its accumulator is f16)
 
     def token(self):
@@ -50,10 +52,7 @@ class Session:
         q = rng.standard_normal((L, H, D)).astype(np.float32)
         p = self.eng.position
         if self.dist == "large":  # K and V near the f16 range, Q small so scores stay finite and modest
-            k *= 8000.0
-            v *= 16000.0
-            np.clip(k, -65000, 65000, out=k)
-            np.clip(v, -65000, 65000, out=v)
+            self._scale_kv(k, v)
             q *= 1e-3
         elif self.dist in ("peaked", "sink") and self.history_k:
             # one key dominates: aim every head at a visible past token (the oldest for "sink")
@@ -66,16 +65,64 @@ class Session:
                 q = (3.0 * kt[:, heads_kv, :] + 0.1 * q).astype(np.float32)
         return q, k, v
 
+    def _scale_kv(self, k, v):
+        """In place, for "large": K and V near the f16 range (decoded tokens and prefilled rows alike)."""
+        k *= 8000.0
+        v *= 16000.0
+        np.clip(k, -65000, 65000, out=k)
+        np.clip(v, -65000, 65000, out=v)
+
     def step(self, check=True):
         q, k, v = self.token()
         out = self.eng.step(q, k, v)
-        self.history_k.append(k)
-        self.max_abs_v = max(self.max_abs_v, float(np.abs(v).max()))
+        self.record(k, v)
         if check:
-            self.check(out, self.eng.reference(q, k, v))
+            self.verify(out, q, k, v)
         return out
 
-    def check(self, out, ref):
+    def record(self, k, v):
+        """The token the engine just accepted (at history's next position)."""
+        self.history_k.append(k)
+        self.history_v.append(v)
+        self.max_abs_v = max(self.max_abs_v, float(np.abs(v).max()))
+
+    def record_rows(self, k, v):
+        """Rows the engine just prefilled: [n, n_layers, n_kv_heads, head_dim] each."""
+        self.history_k.extend(k)
+        self.history_v.extend(v)
+        self.max_abs_v = max(self.max_abs_v, float(np.abs(v).max(initial=0.0)))
+
+    def truncate(self, position):
+        """After the engine rewound to ``position``."""
+        del self.history_k[position:]
+        del self.history_v[position:]
+
+    def history_reference(self, q, k, v):
+        """float64 attention of the last step over this session's own record of the tokens: each layer's
+        visible positions (an SWA layer's last ``window``, a NoPE layer's all) f16-rounded as the planes
+        store them, the current token in f32 where the layer took the interleaved route.  No plane, plane
+        state or engine code is involved, so it also catches a bookkeeping bug that the planes, the
+        kernels and the engine's own reference would share."""
+        c, p = self.cfg, self.eng.position - 1
+        assert len(self.history_k) == len(self.history_v) == p + 1, (
+            f"the session recorded {len(self.history_k)} tokens, the engine is at position {p + 1}")
+        out = np.empty((c.n_layers, c.n_heads, c.head_dim), np.float64)
+        for layer, kind in enumerate(c.layer_kinds):
+            lo = p + 1 - min(p + 1, c.window) if kind == "swa" else 0
+            keys = np.stack([t[layer] for t in self.history_k[lo:]]).astype(np.float16).astype(np.float64)
+            values = np.stack([t[layer] for t in self.history_v[lo:]]).astype(np.float16).astype(np.float64)
+            if self.eng.routes[layer] == ladder.INTERLEAVED:
+                keys[-1], values[-1] = k[layer], v[layer]
+            out[layer] = attention(q[layer], keys, values, c.attention_scale)
+        return out
+
+    def verify(self, out, q, k, v):
+        """A step's output against both references: the engine's, over its planes as the kernels address
+        them, and history_reference, over what the session gave it."""
+        self.check(out, self.eng.reference(q, k, v), "the engine's reference")
+        self.check(out, self.history_reference(q, k, v), "the session's history")
+
+    def check(self, out, ref, against="the engine's reference"):
         """Per layer: own routes to the f32 bound (its "large" variant on large inputs); the llama rung to its
         bound on the scale of V."""
         for layer, route in enumerate(self.eng.routes):
@@ -86,20 +133,26 @@ class Session:
                 err = relative_error(out[layer], ref[layer])
                 bound = F32_ROUTE_RTOL_LARGE if self.dist == "large" else F32_ROUTE_RTOL
             self.worst = max(self.worst, err)
-            assert err <= bound, (
-                f"position {self.eng.position - 1}, layer {layer}, route {route}: error {err:.3g} > {bound}")
+            assert err <= bound, (f"position {self.eng.position - 1}, layer {layer}, route {route}: error "
+                                  f"{err:.3g} > {bound} against {against}")
 
-    def prefill(self, n):
+    def rows(self, n):
+        """n prefill rows of K and V, scaled as this session's distribution scales its tokens."""
         c = self.cfg
         k = self.rng.standard_normal((n, c.n_layers, c.n_kv_heads, c.head_dim)).astype(np.float32)
         v = self.rng.standard_normal((n, c.n_layers, c.n_kv_heads, c.head_dim)).astype(np.float32)
+        if self.dist == "large":
+            self._scale_kv(k, v)
+        return k, v
+
+    def prefill(self, n):
+        k, v = self.rows(n)
         self.eng.prefill(k, v)
-        self.history_k.extend(k)
-        self.max_abs_v = max(self.max_abs_v, float(np.abs(v).max()))
+        self.record_rows(k, v)
 
     def rewind(self, position):
         self.eng.rewind(position)
-        del self.history_k[position:]
+        self.truncate(position)
 
 
 def token_stream(cfg, n, seed):

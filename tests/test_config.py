@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -21,7 +22,7 @@ def test_glimmer_geometry():
 
 def test_geometry_is_immutable():
     cfg = mt.load_config("glimmer.yaml")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.n_heads = 4
 
 

@@ -140,17 +140,14 @@ class Driver:
             st_ = eng.planes[kind].state
             assert eng.routes[layer] == expected_route(kind, st_.len, st_.capacity, st_.origin_physical,
                                                        eng.pinned_loaded, strict), (layer, st_)
-        self.s.history_k.append(k)
-        self.s.max_abs_v = max(self.s.max_abs_v, float(np.abs(v).max()))
-        self.s.check(out, eng.reference(q, k, v))
+        self.s.record(k, v)
+        self.s.verify(out, q, k, v)
         return (q, k, v), out
 
     def prefill(self, n, kv=None):
         eng, cfg = self.eng, self.cfg
         if kv is None:
-            shape = (n, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-            kv = (self.s.rng.standard_normal(shape).astype(np.float32),
-                  self.s.rng.standard_normal(shape).astype(np.float32))
+            kv = self.s.rows(n)
         n = len(kv[0])
         before = live(eng)
         nope = eng.planes.get("nope")
@@ -162,8 +159,7 @@ class Driver:
             assert_live_equal(before, live(eng))
             return kv, False
         assert not must_refuse, "prefill accepted past the limits"
-        self.s.history_k.extend(kv[0])
-        self.s.max_abs_v = max(self.s.max_abs_v, float(np.abs(kv[1]).max(initial=0.0)))
+        self.s.record_rows(*kv)
         return kv, True
 
     def rewind(self, target):
@@ -180,7 +176,7 @@ class Driver:
             assert_live_equal(before, live(eng))
             return False
         assert not must_refuse, f"rewind to {target} accepted though a ring evicted what it needs"
-        del self.s.history_k[target:]
+        self.s.truncate(target)
         return True
 
     def run(self, ops):
@@ -211,7 +207,7 @@ class Driver:
         saved_live, n_hist, max_v = self.saved
         self.eng.load(self.path)
         assert_live_equal(saved_live, live(self.eng))
-        del self.s.history_k[n_hist:]
+        self.s.truncate(n_hist)
         self.s.max_abs_v = max_v
         log, self.log = self.log, None
         for op, inputs, result in log:

@@ -19,14 +19,11 @@ def device_arrays(*host):
 
 
 def prefill_both(s: Session, other: mt.Engine, n: int) -> None:
-    """The same prefill rows into a session's engine and another engine."""
-    c = s.cfg
-    k = s.rng.standard_normal((n, c.n_layers, c.n_kv_heads, c.head_dim)).astype(np.float32)
-    v = s.rng.standard_normal(k.shape).astype(np.float32)
+    """The same prefill rows (scaled as the session's distribution) into a session's engine and another."""
+    k, v = s.rows(n)
     for eng in (s.eng, other):
         eng.prefill(k, v)
-    s.history_k.extend(k)
-    s.max_abs_v = max(s.max_abs_v, float(np.abs(v).max()))
+    s.record_rows(k, v)
 
 
 def assert_same_state(a: mt.Engine, b: mt.Engine):
@@ -62,8 +59,8 @@ def test_step_device_gives_steps_bits(arch, geom, dist):
     for t in range(30):
         q, k, v = host.token()
         expected = host.eng.step(q, k, v)
-        host.history_k.append(k)
-        host.check(expected, host.eng.reference(q, k, v))
+        host.record(k, v)
+        host.verify(expected, q, k, v)
         qd, kd, vd, out = buffers[t % 2]
         qd.from_numpy(q), kd.from_numpy(k), vd.from_numpy(v)
         out.fill(float("nan"))
@@ -79,9 +76,10 @@ def test_one_dispatch_step_gives_the_graph_routes_bits(arch, geom, pattern):
     """The one-dispatch step (CUDA, Vulkan) against the same kernels launched one by one through the step
     graph, on the same tokens, through the ring's wrap and NoPE plane growth (a growing step takes the
     graph route): the same output bits, the same planes, step() and step_device() alike."""
+    if arch not in ("cuda", "vulkan"):
+        pytest.skip(f"the one-dispatch step is a CUDA/Vulkan path; {arch} takes the route-by-route one")
     probe = mt.Engine(geometry(**GEOMETRIES[geom]), arch=arch, pinned="off")
-    if not probe.one_dispatch_step:
-        pytest.skip(f"the one-dispatch step is a CUDA/Vulkan path; {probe.arch} takes the route-by-route one")
+    assert probe.one_dispatch_step, f"{arch} lost the one-dispatch step for {geom}"
     cfg = geometry(window=48, pattern=pattern, **GEOMETRIES[geom])
     one = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=21, dist="peaked")
     graph = mt.Engine(cfg, arch=arch, pinned="off")
@@ -101,8 +99,8 @@ def test_one_dispatch_step_gives_the_graph_routes_bits(arch, geom, pattern):
             got = one.eng.step(q, k, v)
         assert (one.eng.launches_last_step <= 2) != grows, t  # one dispatch (and the packed upload) unless it grew
         np.testing.assert_array_equal(got, graph.step(q, k, v), err_msg=f"token {t}")
-        one.history_k.append(k)
-        one.check(got, one.eng.reference(q, k, v))  # and both right, not only alike
+        one.record(k, v)
+        one.verify(got, q, k, v)  # and both right, not only alike
     assert_same_state(one.eng, graph)
     assert one.eng.planes["swa"].state.origin_logical > 0 and grew  # wrapped, grew
 
@@ -136,8 +134,11 @@ def test_bad_device_token_is_refused_as_step_refuses_it(arch, bad, fragment):
     # a value at the edge of the f16 range is accepted, and the session goes on
     q, k, v = s.token()
     k[0, 0, 0], v[1, 1, 1] = 65504.0, -65504.0
+    q *= 1e-3  # so the score of that key stays modest: the check is the f16 range, not the softmax's
     s.eng.step_device(*device_arrays(q, k, v), out)
     assert s.eng.position == pos + 1
+    s.record(k, v)
+    s.verify(out.to_numpy(), q, k, v)
 
 
 @pytest.mark.parametrize("prefilled, grows", [(64, True), (65, False)])
@@ -162,8 +163,8 @@ def test_bad_device_token_leaves_the_cache_whether_or_not_the_step_grows_a_plane
     assert_cache_as_it_was(s.eng, before, pos)
     k[3, 1, 5], v[0, 0, 9] = 0.5, -0.5
     s.eng.step_device(*device_arrays(q, k, v), out)
-    s.history_k.append(k)
-    s.check(out.to_numpy(), s.eng.reference(q, k, v))
+    s.record(k, v)
+    s.verify(out.to_numpy(), q, k, v)
     assert s.eng.position == pos + 1 and (s.eng.planes["nope"].state.capacity > before["nope"][2].capacity) == grows
 
 
