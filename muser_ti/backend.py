@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 import platform
 from functools import lru_cache
@@ -112,6 +113,9 @@ def activate(arch: str = "auto") -> str:
     import taichi as ti
 
     if _active is not None:
+        # arrays and graphs of the old runtime that only a reference cycle still holds would be freed after
+        # the reset, into memory it no longer owns (a segfault): collect them while it stands
+        gc.collect()
         ti.reset()
     # fast_math off: the reducers' exp must be the precise one (reduce_v2's precise::exp), and the
     # error bounds in tolerances.py assume it.

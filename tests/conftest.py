@@ -4,6 +4,8 @@ Vulkan runs on Mesa's software driver lavapipe in CI; where no Vulkan device exi
 tests are skipped with that reason, never silently dropped.
 """
 
+import sys
+
 import pytest
 
 from muser_ti import backend
@@ -52,6 +54,12 @@ def pytest_generate_tests(metafunc):
 def arch(request):
     """Start Taichi on the arch once; pytest groups the tests by arch so it switches only once."""
     name = request.param
+    # A failed test's traceback (pytest keeps the last in sys.last_*) holds its frames, and so arrays of
+    # the runtime the switch is about to reset: freed after it, they crashed the process, a segfault that
+    # hid the failures' report.  Dropped here, they go with backend.activate's collection
+    for attr in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, attr):
+            setattr(sys, attr, None)
     try:
         backend.activate(name)
     except backend.BackendError as exc:
