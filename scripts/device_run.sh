@@ -288,9 +288,9 @@ if [ "$what" = vkwait ]; then  # what a Vulkan wait's ~560 us is (run 26: 2-3 us
   { cat /sys/devices/system/cpu/cpuidle/current_driver /sys/devices/system/cpu/cpuidle/current_governor_ro
     grep -H . /sys/devices/system/cpu/cpu0/cpuidle/state*/name /sys/devices/system/cpu/cpu0/cpuidle/state*/latency
   } > "$OUT/cpuidle.txt" 2>&1; cat "$OUT/cpuidle.txt"
-  way_env() {  # way -> the environment it runs under (plain and latency0: a label only)
+  way_env() {  # way -> the environment it runs under (plain and latency0: none)
     case $1 in
-      plain|latency0) echo MUSER_VKWAIT=$1;;
+      plain|latency0) ;;
       yield-nothing) echo __GL_YIELD=NOTHING;;
       yield-usleep) echo __GL_YIELD=USLEEP;;
       *) echo "vkwait: unknown way $1 (plain, latency0, yield-nothing, yield-usleep)" >&2; return 2;;

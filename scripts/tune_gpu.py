@@ -53,9 +53,8 @@ step's arguments and trivial bodies; those had its 32 arguments and are gone wit
 
 readback: what it costs the host to learn a few device flags after a kernel wrote them (step_device's
 one wait a token): an idle sync, the engine's download with nothing to wait for, the kernel and a sync,
-and the kernel followed by each way of reading
-an i32 array back (transfer.py's download, to_numpy, indexing it from Python) or a kernel that
-returns the flagged bits as its value.
+and the kernel followed by each way of reading an i32 array back (transfer.py's download, to_numpy,
+indexing it from Python) or a kernel that returns the flagged bits as its value.
 
 wake (as root): readback's ways and whole steps (step and step_device, each to the device's completion),
 with the CPUs' wake-up latency free, then held at 0 (scripts/wake_latency.py: the idle loop polls instead

@@ -4,6 +4,7 @@ import numpy as np
 
 import muser_ti as mt
 from muser_ti import ladder
+from muser_ti.config import SWA
 from muser_ti.reference import attention, relative_error
 from muser_ti.tolerances import F32_ROUTE_RTOL, F32_ROUTE_RTOL_LARGE, LLAMA_CPU_VTOL
 
@@ -108,7 +109,7 @@ class Session:
             f"the session recorded {len(self.history_k)} tokens, the engine is at position {p + 1}")
         out = np.empty((c.n_layers, c.n_heads, c.head_dim), np.float64)
         for layer, kind in enumerate(c.layer_kinds):
-            lo = p + 1 - min(p + 1, c.window) if kind == "swa" else 0
+            lo = p + 1 - min(p + 1, c.window) if kind == SWA else 0
             keys = np.stack([t[layer] for t in self.history_k[lo:]]).astype(np.float16).astype(np.float64)
             values = np.stack([t[layer] for t in self.history_v[lo:]]).astype(np.float16).astype(np.float64)
             if self.eng.routes[layer] == ladder.INTERLEAVED:
