@@ -5,7 +5,8 @@
 #          wall time), and the workgroup-cap A/B (BENCH_ARCHS, BENCH_MODES, BENCH_CAPS: "" skips the A/B;
 #          BENCH_STEP_TIMEOUT: a cold CUDA step build took over 150 s in run 27)
 #   quick  CUDA layers and steps, Vulkan steps (after a kernel change)
-#   tests  the parametrised suite on CUDA and Vulkan (TEST_WORKERS, TEST_SHARD, TEST_ARGS, TEST_TIMEOUT)
+#   tests  the parametrised suite on CUDA and Vulkan (TEST_WORKERS, TEST_SHARD, TEST_ARGS, TEST_TIMEOUT; TEST_IDS: a
+#          file of node ids, run in TEST_WORKERS processes, such as a cut call's unreached tests)
 #   steps  the 52-layer step on CUDA and Vulkan
 #   final  the suite on both backends, CUDA layers, steps on both backends
 #   figures  quick, then Vulkan tile variants by wall time (TUNE_VARIANTS)
@@ -156,8 +157,20 @@ if [ "$what" = tests ]; then  # TEST_WORKERS=15: that many processes (pytest-xdi
   workers=$([ -n "${TEST_WORKERS:-}" ] && python3 -c "import xdist" 2>/dev/null && echo "-n $TEST_WORKERS")
   # -v -rfE: each result line lands in the log as it happens, so a run cut by its limit still names its failures
   # TEST_SHARD=1/2, then 2/2 in a second call: the suite in two halves of whole files (tests/conftest.py --shard)
-  timeout ${TEST_TIMEOUT:-560} python3 -m pytest -v -rfE -p no:cacheprovider $workers --arch cuda --arch vulkan \
-    ${TEST_SHARD:+--shard $TEST_SHARD} ${TEST_ARGS:-tests/} > "$OUT/tests.log" 2>&1; echo "== tests rc=$?"
+  if [ -n "${TEST_IDS:-}" ]; then  # a file of node ids (a cut call's unreached tests): TEST_WORKERS processes, each
+    # pytest alone on its share (conftest --only-ids).  Not xdist: on the H200's image (pytest 9.1.1, xdist 3.8.0 and
+    # its other plugins) xdist ran node-id arguments as 0 items and --only-ids into an INTERNALERROR (run 28);
+    # both worked here with the same xdist
+    rm -f /tmp/ids_part*; split -n l/${TEST_WORKERS:-8} -d "$TEST_IDS" /tmp/ids_part
+    for part in /tmp/ids_part*; do
+      timeout ${TEST_TIMEOUT:-560} python3 -m pytest -v -rfE -p no:cacheprovider -p no:xdist --arch cuda --arch vulkan \
+        --only-ids "$part" tests/ > "$part.log" 2>&1 &
+    done
+    wait; cat /tmp/ids_part*.log > "$OUT/tests.log"; echo "== tests (TEST_IDS, one process a part) done"
+  else
+    timeout ${TEST_TIMEOUT:-560} python3 -m pytest -v -rfE -p no:cacheprovider $workers --arch cuda --arch vulkan \
+      ${TEST_SHARD:+--shard $TEST_SHARD} ${TEST_ARGS:-tests/} > "$OUT/tests.log" 2>&1; echo "== tests rc=$?"
+  fi
   grep -cE " PASSED" "$OUT/tests.log" | sed 's/$/ passed so far/'; grep -E "FAILED|ERROR" "$OUT/tests.log" | head -40; tail -4 "$OUT/tests.log"
 fi
 ptx_report() {  # registers and spills of every producer module Taichi printed (MUSER_TI_PRINT_ASM=1)

@@ -17,6 +17,9 @@ def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="I/N",
                      help="run the I-th of N parts of the suite, whole test files each (a device call is time-boxed; "
                           "files keep their kernels together, so each part compiles only its own)")
+    parser.addoption("--only-ids", default=None, metavar="FILE",
+                     help="run only the collected tests whose node id is a line of FILE (the tests a time-boxed "
+                          "device call did not reach; every xdist worker filters its own collection alike)")
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -29,8 +32,27 @@ def _shard(text: str) -> tuple[int, int]:
     return i, n
 
 
+def _only_ids(config, items):
+    """--only-ids FILE: keep the tests named there; a name that matches nothing is an error, not a silent skip."""
+    path = config.getoption("only_ids")
+    if path is None:
+        return
+    try:
+        wanted = {line.strip() for line in open(path, encoding="utf-8") if line.strip()}
+    except OSError as exc:
+        raise pytest.UsageError(f"--only-ids {path!r}: cannot read it: {exc}") from None
+    missing = wanted - {item.nodeid for item in items}
+    if missing:
+        raise pytest.UsageError(f"--only-ids {path!r}: {len(missing)} node id(s) match no collected test, "
+                                f"for example {sorted(missing)[0]!r}")
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in wanted])
+    items[:] = [item for item in items if item.nodeid in wanted]
+
+
 def pytest_collection_modifyitems(config, items):
-    """--shard I/N: keep the test files whose place in the sorted list of collected files is I-1 mod N."""
+    """--only-ids FILE (_only_ids); --shard I/N: keep the test files whose place in the sorted list of collected
+    files is I-1 mod N."""
+    _only_ids(config, items)
     text = config.getoption("shard")
     if text is None:
         return
