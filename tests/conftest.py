@@ -5,6 +5,7 @@ tests are skipped with that reason, never silently dropped.
 """
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,7 +39,7 @@ def _only_ids(config, items):
     if path is None:
         return
     try:
-        wanted = {line.strip() for line in open(path, encoding="utf-8") if line.strip()}
+        wanted = {line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()}
     except OSError as exc:
         raise pytest.UsageError(f"--only-ids {path!r}: cannot read it: {exc}") from None
     missing = wanted - {item.nodeid for item in items}
