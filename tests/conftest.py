@@ -20,7 +20,7 @@ def pytest_addoption(parser):
                           "files keep their kernels together, so each part compiles only its own)")
     parser.addoption("--only-ids", default=None, metavar="FILE",
                      help="run only the collected tests whose node id is a line of FILE (the tests a time-boxed "
-                          "device call did not reach; every xdist worker filters its own collection alike)")
+                          "device call did not reach; on the H200's image run it without xdist, docs/PERF.md run 28)")
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -46,8 +46,11 @@ def _only_ids(config, items):
     if missing:
         raise pytest.UsageError(f"--only-ids {path!r}: {len(missing)} node id(s) match no collected test, "
                                 f"for example {sorted(missing)[0]!r}")
-    config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in wanted])
-    items[:] = [item for item in items if item.nodeid in wanted]
+    kept, dropped = [], []
+    for item in items:
+        (kept if item.nodeid in wanted else dropped).append(item)
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
 
 
 def pytest_collection_modifyitems(config, items):
