@@ -27,6 +27,8 @@
 #   trace  a CUDA step's timeline through torch.profiler (kernels, gaps, driver calls) and its Python time
 #   cudaab CUDA steps on the tree in $AB_OLD and on this one
 #   launch what one Taichi dispatch costs the host on CUDA and Vulkan (scripts/tune_gpu.py launch)
+#   stepbits  where the one-dispatch step's bits and the graph route's part: partials or output, per class and
+#          layer (scripts/step_bits.py; STEPBITS_ARCHS, STEPBITS_ARGS, STEPBITS_TIMEOUT)
 #   paths  the one-dispatch step against the graph route, one process per backend (tune_gpu.py paths; PATHS_WHICH,
 #          PATHS_ARCHS, PATHS_DEPTHS, PATHS_TIMEOUT)
 #   hostab steps and one deep layer on this tree and on the tree in $AB_OLD (an older commit), the
@@ -443,6 +445,13 @@ if [ "$what" = kernelhost ]; then  # after a change to the step kernel's argumen
   for round in $(seq 1 ${HOSTALT_ROUNDS:-2}); do
     ab_bench cuda-steps-tile-$round MUSER_GPU_TILE=${KH_TILE-WU=1} timeout 90 python3 scripts/bench.py --arch cuda \
       --mode steps --step-depths 2048 --repeats 15 --json @JSON@
+  done
+fi
+if [ "$what" = stepbits ]; then  # where the one-dispatch step and the graph route part, bit for bit (scripts/step_bits.py;
+  # STEPBITS_ARCHS, STEPBITS_ARGS, STEPBITS_TIMEOUT): run 29's Vulkan failure of the bits test
+  for arch in ${STEPBITS_ARCHS:-vulkan cuda}; do
+    timeout ${STEPBITS_TIMEOUT:-300} python3 scripts/step_bits.py --arch $arch ${STEPBITS_ARGS:-} > "$OUT/stepbits-$arch.log" 2>&1
+    echo "== stepbits $arch rc=$?"; grep -E '^\{' "$OUT/stepbits-$arch.log" | cut -c1-400
   done
 fi
 if [ "$what" = spread ]; then  # the step across processes: the host's speed moves between them (torch's 52 calls

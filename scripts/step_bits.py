@@ -1,0 +1,81 @@
+"""Where the one-dispatch step and the graph route part, bit for bit: partials or output, which class.
+
+tests/test_step_device.py::test_one_dispatch_step_gives_the_graph_routes_bits asserts that the one-dispatch
+step (kernels/step_gpu.py) gives the graph route's output bits.  When it fails on a device, this says at
+which stage: each class's partials [M, S, O] (the producers' output) and each layer's output, per token,
+with the largest difference in units in the last place.  Equal partials and different outputs put the
+difference in the reducer; different partials, in the producer.  The tokens are the test's (window 48,
+40 prefilled rows, tests/sessions.py's Session and seed):
+
+    python3 scripts/step_bits.py --arch vulkan --geom gqa16-d128 --dist peaked --tokens 4
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import muser_ti as mt  # noqa: E402
+from muser_ti.config import NOPE, SWA  # noqa: E402
+from muser_ti.planes import visible_span  # noqa: E402
+from sessions import GEOMETRIES, Session, geometry  # noqa: E402
+
+
+def ulps(a: np.ndarray, b: np.ndarray) -> int:
+    """The largest distance between a and b in f32 units in the last place (0: the same bits)."""
+    ia, ib = (np.ascontiguousarray(x, np.float32).view(np.int32).astype(np.int64) for x in (a, b))
+    ia = np.where(ia < 0, -(ia & 0x7FFFFFFF), ia)  # sign-magnitude to a monotone integer line
+    ib = np.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
+    return int(np.abs(ia - ib).max()) if ia.size else 0
+
+
+def compare(arch: str, geom: str, dist: str, tokens: int, seed: int) -> list[dict]:
+    cfg = geometry(window=48, pattern=("swa", "swa", "swa", "nope"), **GEOMETRIES[geom])
+    one = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=seed, dist=dist)
+    graph = mt.Engine(cfg, arch=arch, pinned="off")
+    graph._step_kernel = None  # every step through the graph route
+    assert one.eng.one_dispatch_step, f"{arch} has no one-dispatch step for {geom}"
+    k, v = one.rows(40)
+    for eng in (one.eng, graph):
+        eng.prefill(k, v)
+    one.record_rows(k, v)
+    rows = []
+    for t in range(tokens):
+        q, k, v = one.token()
+        p = one.eng.position
+        a, b = one.eng.step(q, k, v), graph.step(q, k, v)
+        one.record(k, v)
+        row = dict(arch=arch, geom=geom, dist=dist, token=t, position=p,
+                   launches=[one.eng.launches_last_step, graph.launches_last_step])
+        for kind in (NOPE, SWA):
+            layers = one.eng.planes[kind].layers
+            nwg, _ = one.eng.split_geometry(visible_span(cfg, kind, p)[1], len(layers))
+            pa = one.eng._partials[kind, len(layers)].to_numpy()[:, :, :nwg]
+            pb = graph._partials[kind, len(layers)].to_numpy()[:, :, :nwg]
+            row[f"{kind}_partials_ulps"] = {"M": ulps(pa[..., 0], pb[..., 0]), "S": ulps(pa[..., 1], pb[..., 1]),
+                                            "O": ulps(pa[..., 2:], pb[..., 2:])}
+            row[f"{kind}_out_ulps"] = {int(layer): ulps(a[layer], b[layer]) for layer in layers}
+        row["out_mismatched"] = int((a != b).sum())
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="vulkan")
+    ap.add_argument("--geom", action="append", choices=list(GEOMETRIES), help="repeatable; default: all")
+    ap.add_argument("--dist", action="append", help="repeatable; default: peaked, normal")
+    ap.add_argument("--tokens", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=21, help="the test's seed")
+    a = ap.parse_args()
+    for geom in a.geom or list(GEOMETRIES):
+        for dist in a.dist or ["peaked", "normal"]:
+            for row in compare(a.arch, geom, dist, a.tokens, a.seed):
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
