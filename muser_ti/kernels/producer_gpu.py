@@ -127,19 +127,29 @@ QUERY_LOADS_IN_FLIGHT = 16  # a thread's query loads issued before their stores 
 
 
 def query_stager(G: int, D: int, T: int, stride: int):
-    """A ti.func copying one KV head's G x D f32 queries into shared memory (``q_sh[h * stride + d]``),
-    each of T threads loading up to QUERY_LOADS_IN_FLIGHT of them before it stores any."""
+    """A ti.func copying one KV head's G x D f32 queries, times the attention scale, into shared memory
+    (``q_sh[h * stride + d]``), each of T threads loading up to QUERY_LOADS_IN_FLIGHT of them before it
+    stores any.
+
+    Why the scale goes in here, not on the score: the tiles took ``exp(score * scale - max)``, a multiply
+    feeding a subtract, which a SPIR-V driver may fuse into one FMA or not, module by module (Taichi 1.7.4
+    marks no SPIR-V operation NoContraction).  NVIDIA's Vulkan driver did one in the one-dispatch step and
+    the other in the lone producer, for the 16-head warp tile: their partials' M agreed and their S differed
+    by up to 31 ulps (scripts/step_bits.py; H200 and H100, docs/PERF.md run 29).  A scaled query, rounded
+    once into shared memory, leaves a plain subtract there (then 0 ulps at every stage, same run), and
+    saves a multiply per score.  Known deficit: the dot products and the value sums are multiply-adds too;
+    they compiled alike in both modules there, which nothing in SPIR-V promises."""
     n = G * D
     trips = -(-n // T)
 
     @ti.func
-    def stage(q: ti.template(), q_sh: ti.template(), layer, head0, tid):
+    def stage(q: ti.template(), q_sh: ti.template(), layer, head0, tid, scale):
         for b0 in ti.static(range(0, trips, QUERY_LOADS_IN_FLIGHT)):
             nb = ti.static(min(QUERY_LOADS_IN_FLIGHT, trips - b0))
             vals = ti.Vector([0.0] * nb)
             for k in ti.static(range(nb)):  # clamped: the last trip's spare threads re-read element n - 1
                 e = ti.min(tid + T * (b0 + k), n - 1)
-                vals[k] = q[layer, head0 + udiv(e, D), umod(e, D)]
+                vals[k] = q[layer, head0 + udiv(e, D), umod(e, D)] * scale
             for k in ti.static(range(nb)):
                 e = tid + T * (b0 + k)
                 if ti.static(T * (b0 + k + 1) <= n):
@@ -438,7 +448,7 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
             tid, item, k_cur, v_cur, k_plane, v_plane, layers, slots, position, window, capacity, origin_logical,
             origin_physical, nwg)
         q_sh, buf, w_sh, part, part2, state, rows_sh = shared
-        stage_queries(q, q_sh, layer, kvh * G, tid)
+        stage_queries(q, q_sh, layer, kvh * G, tid, scale)
         if tid < G:
             state[tid] = RUNNING_MAX_INIT
             state[G + tid] = 0.0
@@ -487,7 +497,7 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
                     local = RUNNING_MAX_INIT
                     for j in ti.static(range(RB)):
                         if sr + j * RG < count:
-                            local = ti.max(local, sc[i, j] * scale)
+                            local = ti.max(local, sc[i, j])  # scores are scaled (query_stager)
                     part[(h0 + i) * RG + sr] = local
             ti.simt.block.sync()
             if tid < G * L2:
@@ -517,7 +527,7 @@ def gpu_producer_work(plan: TilePlan, bypass: bool, record: bool, at, fused_stor
                         r = sr + j * RG
                         w = 0.0
                         if r < count:
-                            w = ti.exp(sc[i, j] * scale - m)
+                            w = ti.exp(sc[i, j] - m)
                         w_sh[h * WS + r] = w
                         total += w
                     lsum[i] = total

@@ -354,7 +354,7 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
         sl, h0 = hw * WARP + lane, hw * GW  # sl: the lane's place among its row set's staging lanes
         hg, rg = umod(lane, HGL), udiv(lane, HGL)  # heads hg + HGL*i; score rows rg + RGL*j; dims 4*rg + 4*RGL*jj
         wbuf, wrow, wpart, wwt = wr * BUF, wr * RW, w * RGL * GW, wr * RW * G
-        stage_queries(q, q_sh, layer, kvh * G, tid)
+        stage_queries(q, q_sh, layer, kvh * G, tid, scale)  # scaled: the scores need no multiply
         run, n_own, o_cur = owned_rows(visible, wg, nwg, nsg)
         ti.simt.block.sync()
 
@@ -414,7 +414,7 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
             for hi in ti.static(range(HL)):
                 for j in ti.static(range(RL)):
                     if rg + RGL * j < count:
-                        local[hi] = ti.max(local[hi], sc[hi, j] * scale)
+                        local[hi] = ti.max(local[hi], sc[hi, j])
             if ti.static(p.XM):
                 for k in ti.static(range(RGL.bit_length() - 1)):  # RGL = 32 / HGL, a power of 2
                     for hi in ti.static(range(HL)):
@@ -437,7 +437,7 @@ def warp_producer_work(plan: WarpTilePlan, bypass: bool, record: bool, at, fused
                 for j in ti.static(range(RL)):
                     wt = 0.0
                     if rg + RGL * j < count:
-                        wt = ti.exp(sc[hi, j] * scale - new_max)
+                        wt = ti.exp(sc[hi, j] - new_max)
                     w_sh[wwt + (rg + RGL * j) * G + h0 + hg * HL + hi] = wt
                     total += wt
                 lsum[hi] = total

@@ -14,7 +14,11 @@ alias (producer_gpu.shared_arrays).  Both producers therefore share one task and
 and the reducer uses none.
 
 Why it stays exact.  The tasks run the same ti.funcs the separate kernels run (producer_gpu.work,
-merge's gpu_work, the scan's check), so every output bit is the graph route's.  Two things move:
+merge's gpu_work, the scan's check), so every output bit is the graph route's, as long as the compiler
+makes the same arithmetic of the same source in both modules.  On CUDA they have matched in every run; a
+SPIR-V driver may fuse a multiply and an add into an FMA module by module, and NVIDIA's did, until the scores
+took the scale from the queries (producer_gpu.query_stager says how it was found; docs/PERF.md run 29).
+test_one_dispatch_step_gives_the_graph_routes_bits catches a driver that does.  Two things move:
 
 * the stores: both classes' current rows are written by one task of their own, before the producers,
   instead of by store_token (SWA) and the interleaved producer's workgroup 0 (NoPE).  The interleaved
