@@ -43,7 +43,6 @@ class Session:
         # f32 k and v per position the engine accepted: peaked queries aim at a past key, and
         # history_reference attends them without the engine's planes (record, record_rows, truncate)
         self.history_k, self.history_v = [], []
-        self.max_abs_v = 0.0  # the llama rung's error bound scales with |V| (its accumulator is f16)
 
     def token(self):
         c, rng = self.cfg, self.rng
@@ -85,13 +84,11 @@ class Session:
         """The token the engine just accepted (at history's next position)."""
         self.history_k.append(k)
         self.history_v.append(v)
-        self.max_abs_v = max(self.max_abs_v, float(np.abs(v).max()))
 
     def record_rows(self, k, v):
         """Rows the engine just prefilled: [n, n_layers, n_kv_heads, head_dim] each."""
         self.history_k.extend(k)
         self.history_v.extend(v)
-        self.max_abs_v = max(self.max_abs_v, float(np.abs(v).max(initial=0.0)))
 
     def truncate(self, position):
         """After the engine rewound to ``position``."""
@@ -104,18 +101,31 @@ class Session:
         store them, the current token in f32 where the layer took the interleaved route.  No plane, plane
         state or engine code is involved, so it also catches a bookkeeping bug that the planes, the
         kernels and the engine's own reference would share."""
-        c, p = self.cfg, self.eng.position - 1
-        assert len(self.history_k) == len(self.history_v) == p + 1, (
-            f"the session recorded {len(self.history_k)} tokens, the engine is at position {p + 1}")
+        c = self.cfg
+        assert len(self.history_k) == len(self.history_v) == self.eng.position, (
+            f"the session recorded {len(self.history_k)} tokens, the engine is at position {self.eng.position}")
         out = np.empty((c.n_layers, c.n_heads, c.head_dim), np.float64)
-        for layer, kind in enumerate(c.layer_kinds):
-            lo = p + 1 - min(p + 1, c.window) if kind == SWA else 0
+        for layer in range(c.n_layers):
+            lo = self.first_visible(layer)
             keys = np.stack([t[layer] for t in self.history_k[lo:]]).astype(np.float16).astype(np.float64)
             values = np.stack([t[layer] for t in self.history_v[lo:]]).astype(np.float16).astype(np.float64)
             if self.eng.routes[layer] == ladder.INTERLEAVED:
                 keys[-1], values[-1] = k[layer], v[layer]
             out[layer] = attention(q[layer], keys, values, c.attention_scale)
         return out
+
+    def first_visible(self, layer):
+        """The first position ``layer`` attended at the last step: an SWA layer's last ``window``, a NoPE
+        layer's all."""
+        c, p = self.cfg, self.eng.position - 1
+        return p + 1 - min(p + 1, c.window) if c.layer_kinds[layer] == SWA else 0
+
+    def attended_max_abs_v(self, layer):
+        """max |V| over the rows ``layer`` attended at the last step, f16 as the planes hold them: the scale
+        of the llama rung's error (its V accumulator is f16).  Not the session's all-time max over every
+        layer, which a large row outside the window, or in another layer, would loosen the bound with."""
+        rows = np.stack([t[layer] for t in self.history_v[self.first_visible(layer):]]).astype(np.float16)
+        return float(np.abs(rows).max())
 
     def verify(self, out, q, k, v):
         """A step's output against both references: the engine's, over its planes as the kernels address
@@ -125,10 +135,10 @@ class Session:
 
     def check(self, out, ref, against="the engine's reference"):
         """Per layer: own routes to the f32 bound (its "large" variant on large inputs); the llama rung to its
-        bound on the scale of V."""
+        bound on the scale of the V rows the layer attended."""
         for layer, route in enumerate(self.eng.routes):
             if route in ladder.PINNED_ROUTES:
-                err = float(np.abs(out[layer] - ref[layer]).max()) / self.max_abs_v
+                err = float(np.abs(out[layer] - ref[layer]).max()) / self.attended_max_abs_v(layer)
                 bound = LLAMA_CPU_VTOL
             else:
                 err = relative_error(out[layer], ref[layer])

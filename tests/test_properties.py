@@ -195,7 +195,7 @@ class Driver:
                 self.eng.save(self.path)
                 # the record itself, not its length: a rewind below the save point and a step after it
                 # replace what the record held there, and the restore must bring that back
-                self.saved = (live(self.eng), list(self.s.history_k), list(self.s.history_v), self.s.max_abs_v)
+                self.saved = (live(self.eng), list(self.s.history_k), list(self.s.history_v))
                 self.log = []
             elif op == "restore" and self.log is not None:
                 self.restore_and_replay()
@@ -206,11 +206,10 @@ class Driver:
 
     def restore_and_replay(self):
         now = live(self.eng)
-        saved_live, history_k, history_v, max_v = self.saved
+        saved_live, history_k, history_v = self.saved
         self.eng.load(self.path)
         assert_live_equal(saved_live, live(self.eng))
         self.s.history_k, self.s.history_v = list(history_k), list(history_v)
-        self.s.max_abs_v = max_v
         log, self.log = self.log, None
         for op, inputs, result in log:
             if op == "step":
