@@ -26,10 +26,12 @@ from sessions import GEOMETRIES, Session, geometry  # noqa: E402
 
 def ulps(a: np.ndarray, b: np.ndarray) -> int:
     """The largest distance between a and b in f32 units in the last place (0: the same bits)."""
-    ia, ib = (np.ascontiguousarray(x, np.float32).view(np.int32).astype(np.int64) for x in (a, b))
-    ia = np.where(ia < 0, -(ia & 0x7FFFFFFF), ia)  # sign-magnitude to a monotone integer line
-    ib = np.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
-    return int(np.abs(ia - ib).max()) if ia.size else 0
+    def line(x):  # f32 bits, sign-magnitude, onto a monotone integer line
+        i = np.ascontiguousarray(x, np.float32).view(np.int32).astype(np.int64)
+        return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+
+    d = np.abs(line(a) - line(b))
+    return int(d.max()) if d.size else 0
 
 
 def compare(arch: str, geom: str, dist: str, tokens: int, seed: int) -> list[dict]:
@@ -38,10 +40,7 @@ def compare(arch: str, geom: str, dist: str, tokens: int, seed: int) -> list[dic
     graph = mt.Engine(cfg, arch=arch, pinned="off")
     graph._step_kernel = None  # every step through the graph route
     assert one.eng.one_dispatch_step, f"{arch} has no one-dispatch step for {geom}"
-    k, v = one.rows(40)
-    for eng in (one.eng, graph):
-        eng.prefill(k, v)
-    one.record_rows(k, v)
+    one.prefill(40, also=graph)
     rows = []
     for t in range(tokens):
         q, k, v = one.token()

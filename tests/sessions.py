@@ -156,9 +156,11 @@ class Session:
             self._scale_kv(k, v)
         return k, v
 
-    def prefill(self, n):
+    def prefill(self, n, also=None):
+        """n rows into the engine, and the same rows into engine ``also`` where one is given."""
         k, v = self.rows(n)
-        self.eng.prefill(k, v)
+        for eng in (self.eng, also) if also is not None else (self.eng,):
+            eng.prefill(k, v)
         self.record_rows(k, v)
 
     def rewind(self, position):

@@ -47,5 +47,4 @@ def test_query_copy_puts_every_query_in_its_cell_once(arch, G, D, T, stride, sca
     wrong = np.flatnonzero(got != want)
     assert wrong.size == 0, (
         f"G={G}, D={D}, T={T}, stride={stride}, scale={scale}: {wrong.size} cells differ from the scaled queries, "
-        f"first at "
-        f"{wrong[0]} (got {got[wrong[0]]}, want {want[wrong[0]]}; batches of {QUERY_LOADS_IN_FLIGHT})")
+        f"first at {wrong[0]} (got {got[wrong[0]]}, want {want[wrong[0]]}; batches of {QUERY_LOADS_IN_FLIGHT})")

@@ -18,14 +18,6 @@ def device_arrays(*host):
     return out
 
 
-def prefill_both(s: Session, other: mt.Engine, n: int) -> None:
-    """The same prefill rows (scaled as the session's distribution) into a session's engine and another."""
-    k, v = s.rows(n)
-    for eng in (s.eng, other):
-        eng.prefill(k, v)
-    s.record_rows(k, v)
-
-
 def assert_same_state(a: mt.Engine, b: mt.Engine):
     assert a.position == b.position and a.routes == b.routes
     for kind, (k, v, st) in a.planes_snapshot().items():
@@ -53,7 +45,7 @@ def test_step_device_gives_steps_bits(arch, geom, dist):
     cfg = geometry(window=48, **GEOMETRIES[geom])
     host = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=5, dist=dist)
     dev = mt.Engine(cfg, arch=arch, pinned="off")
-    prefill_both(host, dev, 40)
+    host.prefill(40, also=dev)
     shapes = [(cfg.n_layers, cfg.n_heads, cfg.head_dim), (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)]
     buffers = [[ti.ndarray(ti.f32, s) for s in (shapes[0], shapes[1], shapes[1], shapes[0])] for _ in range(2)]
     for t in range(30):
@@ -84,7 +76,7 @@ def test_one_dispatch_step_gives_the_graph_routes_bits(arch, geom, pattern):
     one = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=21, dist="peaked")
     graph = mt.Engine(cfg, arch=arch, pinned="off")
     graph._step_kernel = None  # every step through the graph route
-    prefill_both(one, graph, 40)
+    one.prefill(40, also=graph)
     out = ti.ndarray(ti.f32, (cfg.n_layers, cfg.n_heads, cfg.head_dim))
     grew = 0
     for t in range(30):
@@ -193,7 +185,7 @@ def test_step_device_with_a_mirror_takes_the_host_path_and_the_same_bits(arch):
     cfg = geometry(window=32, **GEOMETRIES["gqa4-d64"])
     a = Session(mt.Engine(cfg, arch=arch, pinned="off", mirror="host"), seed=9)
     b = mt.Engine(cfg, arch=arch, pinned="off", mirror="host")
-    prefill_both(a, b, 30)
+    a.prefill(30, also=b)
     out = ti.ndarray(ti.f32, (cfg.n_layers, cfg.n_heads, cfg.head_dim))
     for _ in range(6):
         q, k, v = a.token()
