@@ -6,7 +6,8 @@
 #          BENCH_STEP_TIMEOUT: a cold CUDA step build took over 150 s in run 27)
 #   quick  CUDA layers and steps, Vulkan steps (after a kernel change)
 #   tests  the parametrised suite on CUDA and Vulkan (TEST_WORKERS, TEST_SHARD, TEST_ARGS, TEST_TIMEOUT; TEST_IDS: a
-#          file of node ids, run in TEST_WORKERS processes, such as a cut call's unreached tests)
+#          file of node ids, run in TEST_WORKERS processes, such as a cut call's unreached tests; TEST_CONTINUE=1:
+#          the tests no earlier call reached, by this warm machine's logs and the kept ones TEST_CONTINUE_FROM names)
 #   steps  the 52-layer step on CUDA and Vulkan
 #   final  the suite on both backends, CUDA layers, steps on both backends
 #   figures  quick, then Vulkan tile variants by wall time (TUNE_VARIANTS)
@@ -159,20 +160,41 @@ if [ "$what" = tests ]; then  # TEST_WORKERS=15: that many processes (pytest-xdi
   workers=$([ -n "${TEST_WORKERS:-}" ] && python3 -c "import xdist" 2>/dev/null && echo "-n $TEST_WORKERS")
   # -v -rfE: each result line lands in the log as it happens, so a run cut by its limit still names its failures
   # TEST_SHARD=1/2, then 2/2 in a second call: the suite in two halves of whole files (tests/conftest.py --shard)
+  # The limit interrupts (SIGINT), then kills 45 s later: an interrupted pytest still prints its summary and the
+  # durations, and each process exits, which is when Taichi writes its offline cache (a killed one writes none,
+  # run 28), so a later call on the warm machine loads the kernels this one compiled instead of compiling them
+  # again (~50 s an x8-unrolled CUDA producer, run 14; pyhost below relies on the same)
+  stop="timeout -s INT -k 45 ${TEST_TIMEOUT:-560}"
+  durations="--durations=0 --durations-min=${TEST_DURATIONS_MIN:-5}"
+  # Each call's log stays on the machine while it is warm, so the next call can go on where this one was cut
+  # without a round trip here (the machine goes back after 30 s idle, and a fresh one costs ~100 s to start)
+  suite_logs=/tmp/muser_suite_logs; mkdir -p "$suite_logs"
+  if [ -n "${TEST_CONTINUE:-}" ]; then  # ids from scripts/suite_results.py over the logs, collected here, so they
+    # are this pytest's ids; TEST_CONTINUE_FROM: kept logs of the same kernels, e.g. docs/perf/h200/run30/*.log.gz
+    shopt -s nullglob; earlier=("$suite_logs"/*.log ${TEST_CONTINUE_FROM:-}); shopt -u nullglob
+    if [ ${#earlier[@]} = 0 ]; then
+      echo "TEST_CONTINUE: no earlier tests log (a fresh machine, and TEST_CONTINUE_FROM names none)"; exit 1
+    fi
+    python3 scripts/suite_results.py "${earlier[@]}" --out "$OUT/before" > "$OUT/before.txt" 2>&1; cat "$OUT/before.txt"
+    [ -f "$OUT/before/unreached.txt" ] || exit 1
+    [ -s "$OUT/before/unreached.txt" ] || { echo "== TEST_CONTINUE: every collected test has a result"; exit 0; }
+    TEST_IDS=$OUT/before/unreached.txt
+  fi
   if [ -n "${TEST_IDS:-}" ]; then  # a file of node ids (a cut call's unreached tests): TEST_WORKERS processes, each
     # pytest alone on its share (conftest --only-ids).  Not xdist: on the H200's image (pytest 9.1.1, xdist 3.8.0 and
     # its other plugins) xdist ran node-id arguments as 0 items and --only-ids into an INTERNALERROR (run 28);
     # both worked here with the same xdist
     rm -f /tmp/ids_part*; split -n l/${TEST_WORKERS:-8} -d "$TEST_IDS" /tmp/ids_part
     for part in /tmp/ids_part*; do
-      timeout ${TEST_TIMEOUT:-560} python3 -m pytest -v -rfE -p no:cacheprovider -p no:xdist --arch cuda --arch vulkan \
+      $stop python3 -m pytest -v -rfE $durations -p no:cacheprovider -p no:xdist --arch cuda --arch vulkan \
         --only-ids "$part" tests/ > "$part.log" 2>&1 &
     done
     wait; cat /tmp/ids_part*.log > "$OUT/tests.log"; echo "== tests (TEST_IDS, one process a part) done"
   else
-    timeout ${TEST_TIMEOUT:-560} python3 -m pytest -v -rfE -p no:cacheprovider $workers --arch cuda --arch vulkan \
+    $stop python3 -m pytest -v -rfE $durations -p no:cacheprovider $workers --arch cuda --arch vulkan \
       ${TEST_SHARD:+--shard $TEST_SHARD} ${TEST_ARGS:-tests/} > "$OUT/tests.log" 2>&1; echo "== tests rc=$?"
   fi
+  cp "$OUT/tests.log" "$suite_logs/$(date +%s).log"
   grep -cE " PASSED" "$OUT/tests.log" | sed 's/$/ passed so far/'; grep -E "FAILED|ERROR" "$OUT/tests.log" | head -40; tail -4 "$OUT/tests.log"
 fi
 ptx_report() {  # registers and spills of every producer module Taichi printed (MUSER_TI_PRINT_ASM=1)
