@@ -52,7 +52,8 @@ def collect(archs: list[str], tests: str) -> list[str]:
     done = subprocess.run(cmd, capture_output=True, text=True)
     ids = [line.strip() for line in done.stdout.splitlines() if "::" in line]
     if done.returncode != 0 or not ids:
-        raise SystemExit(f"collecting {tests} failed (rc {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        tail = done.stdout[-2000:] + done.stderr[-2000:]
+        raise SystemExit(f"collecting {tests} failed (rc {done.returncode}):\n{tail}")
     return ids
 
 
