@@ -170,8 +170,15 @@ if [ "$what" = tests ]; then  # TEST_WORKERS=15: that many processes (pytest-xdi
   # without a round trip here (the machine goes back after 30 s idle, and a fresh one costs ~100 s to start)
   suite_logs=/tmp/muser_suite_logs; mkdir -p "$suite_logs"
   if [ -n "${TEST_CONTINUE:-}" ]; then  # ids from scripts/suite_results.py over the logs, collected here, so they
-    # are this pytest's ids; TEST_CONTINUE_FROM: kept logs of the same kernels, e.g. docs/perf/h200/run30/*.log.gz
-    shopt -s nullglob; earlier=("$suite_logs"/*.log ${TEST_CONTINUE_FROM:-}); shopt -u nullglob
+    # are this pytest's ids; TEST_CONTINUE_FROM: kept logs of the same kernels, e.g. docs/perf/h200/run30/*.log.gz.
+    # They join the machine's logs, so a chained call that names none still counts them (run 31's second call did
+    # not, and ran 1,186 tests again that run 30 had reached)
+    shopt -s nullglob
+    for f in ${TEST_CONTINUE_FROM:-}; do
+      kept=$suite_logs/kept-$(echo "$f" | tr '/' '_'); kept=${kept%.gz}; kept=${kept%.log}.log
+      gzip -cdf "$f" > "$kept" || exit 1
+    done
+    earlier=("$suite_logs"/*.log); shopt -u nullglob
     if [ ${#earlier[@]} = 0 ]; then
       echo "TEST_CONTINUE: no earlier tests log (a fresh machine, and TEST_CONTINUE_FROM names none)"; exit 1
     fi
@@ -184,7 +191,8 @@ if [ "$what" = tests ]; then  # TEST_WORKERS=15: that many processes (pytest-xdi
     # pytest alone on its share (conftest --only-ids).  Not xdist: on the H200's image (pytest 9.1.1, xdist 3.8.0 and
     # its other plugins) xdist ran node-id arguments as 0 items and --only-ids into an INTERNALERROR (run 28);
     # both worked here with the same xdist
-    rm -f /tmp/ids_part*; split -n l/${TEST_WORKERS:-8} -d "$TEST_IDS" /tmp/ids_part
+    # r/: round robin, so the sorted ids of one slow test (a cold step compile each) spread over the parts
+    rm -f /tmp/ids_part*; split -n r/${TEST_WORKERS:-8} -d "$TEST_IDS" /tmp/ids_part
     for part in /tmp/ids_part*; do
       $stop python3 -m pytest -v -rfE $durations -p no:cacheprovider -p no:xdist --arch cuda --arch vulkan \
         --only-ids "$part" tests/ > "$part.log" 2>&1 &
@@ -194,7 +202,7 @@ if [ "$what" = tests ]; then  # TEST_WORKERS=15: that many processes (pytest-xdi
     $stop python3 -m pytest -v -rfE $durations -p no:cacheprovider $workers --arch cuda --arch vulkan \
       ${TEST_SHARD:+--shard $TEST_SHARD} ${TEST_ARGS:-tests/} > "$OUT/tests.log" 2>&1; echo "== tests rc=$?"
   fi
-  cp "$OUT/tests.log" "$suite_logs/$(date +%s).log"
+  cp "$OUT/tests.log" "$suite_logs/run-$(date +%s).log"  # after kept-*: a later log wins
   grep -cE " PASSED" "$OUT/tests.log" | sed 's/$/ passed so far/'; grep -E "FAILED|ERROR" "$OUT/tests.log" | head -40; tail -4 "$OUT/tests.log"
 fi
 ptx_report() {  # registers and spills of every producer module Taichi printed (MUSER_TI_PRINT_ASM=1)
