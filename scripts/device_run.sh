@@ -98,9 +98,10 @@ fi
 if [ "$what" = quick ]; then  # CUDA layers and steps, Vulkan steps: the figures a kernel change moves
   bench cuda-layers timeout 150 python3 scripts/bench.py --arch cuda --mode layers \
     --layer-depths 2048,8192,32768,131072 --routes interleaved,splitk --repeats 15 --json "$OUT/cuda-layers.json"
-  bench cuda-steps timeout 120 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,32768,131072 \
+  # 120 s each cut both on a cold machine in run 31 (a cold CUDA step build alone takes over 150 s, run 27)
+  bench cuda-steps timeout 220 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048,32768,131072 \
     --repeats 15 --json "$OUT/cuda-steps.json"
-  bench vulkan-steps timeout 120 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
+  bench vulkan-steps timeout 200 python3 scripts/bench.py --arch vulkan --mode steps --step-depths 2048,32768,131072 \
     --repeats 15 --json "$OUT/vulkan-steps.json"
 fi
 ncu_layer() {  # name, tree (default: this one): ncu on one interleaved layer at 131,072 keys (one producer launch).
@@ -191,8 +192,10 @@ if [ "$what" = tests ]; then  # TEST_WORKERS=15: that many processes (pytest-xdi
     # pytest alone on its share (conftest --only-ids).  Not xdist: on the H200's image (pytest 9.1.1, xdist 3.8.0 and
     # its other plugins) xdist ran node-id arguments as 0 items and --only-ids into an INTERNALERROR (run 28);
     # both worked here with the same xdist
-    # r/: round robin, so the sorted ids of one slow test (a cold step compile each) spread over the parts
-    rm -f /tmp/ids_part*; split -n r/${TEST_WORKERS:-8} -d "$TEST_IDS" /tmp/ids_part
+    # l/: runs of sorted ids, so a test's cases that share kernels compile them once in one process.  Round robin
+    # (r/) spread them and every process compiled them all: run 31 reached 50 of 111 ids in ~500 s that way, a
+    # call on l/ the session before 86 of the same 111 (cold H100s both)
+    rm -f /tmp/ids_part*; split -n l/${TEST_WORKERS:-8} -d "$TEST_IDS" /tmp/ids_part
     for part in /tmp/ids_part*; do
       $stop python3 -m pytest -v -rfE $durations -p no:cacheprovider -p no:xdist --arch cuda --arch vulkan \
         --only-ids "$part" tests/ > "$part.log" 2>&1 &
