@@ -172,14 +172,12 @@ if [ "$what" = tests ]; then  # TEST_WORKERS=15: that many processes (pytest-xdi
   suite_logs=/tmp/muser_suite_logs; mkdir -p "$suite_logs"
   if [ -n "${TEST_CONTINUE:-}" ]; then  # ids from scripts/suite_results.py over the logs, collected here, so they
     # are this pytest's ids; TEST_CONTINUE_FROM: kept logs of the same kernels, e.g. docs/perf/h200/run30/*.log.gz.
-    # They join the machine's logs, so a chained call that names none still counts them (run 31's second call did
-    # not, and ran 1,186 tests again that run 30 had reached)
+    # They join the machine's logs as they are (suite_results.py reads .gz), so a chained call that names none still
+    # counts them (a first try at run 31 did not, and ran 1,186 tests again that run 30 had reached).  One glob, so
+    # kept-* sorts before this machine's run-* and a later log wins
     shopt -s nullglob
-    for f in ${TEST_CONTINUE_FROM:-}; do
-      kept=$suite_logs/kept-$(echo "$f" | tr '/' '_'); kept=${kept%.gz}; kept=${kept%.log}.log
-      gzip -cdf "$f" > "$kept" || exit 1
-    done
-    earlier=("$suite_logs"/*.log); shopt -u nullglob
+    for f in ${TEST_CONTINUE_FROM:-}; do cp "$f" "$suite_logs/kept-$(echo "$f" | tr '/' '_')" || exit 1; done
+    earlier=("$suite_logs"/*); shopt -u nullglob
     if [ ${#earlier[@]} = 0 ]; then
       echo "TEST_CONTINUE: no earlier tests log (a fresh machine, and TEST_CONTINUE_FROM names none)"; exit 1
     fi
@@ -205,7 +203,7 @@ if [ "$what" = tests ]; then  # TEST_WORKERS=15: that many processes (pytest-xdi
     $stop python3 -m pytest -v -rfE $durations -p no:cacheprovider $workers --arch cuda --arch vulkan \
       ${TEST_SHARD:+--shard $TEST_SHARD} ${TEST_ARGS:-tests/} > "$OUT/tests.log" 2>&1; echo "== tests rc=$?"
   fi
-  cp "$OUT/tests.log" "$suite_logs/run-$(date +%s).log"  # after kept-*: a later log wins
+  cp "$OUT/tests.log" "$suite_logs/run-$(date +%s).log"  # sorts after kept-*
   grep -cE " PASSED" "$OUT/tests.log" | sed 's/$/ passed so far/'; grep -E "FAILED|ERROR" "$OUT/tests.log" | head -40; tail -4 "$OUT/tests.log"
 fi
 ptx_report() {  # registers and spills of every producer module Taichi printed (MUSER_TI_PRINT_ASM=1)
