@@ -5,6 +5,7 @@
     eng = mt.Engine(cfg, arch="auto", pinned="auto", graph="teacher")
 """
 
+from . import backend  # first: it imports Taichi with the banner on stderr
 from . import ladder, reference, tolerances
 from .config import ConfigError, Geometry, geometry_from_dict, load_config
 from .engine import Engine, EngineError, PinnedUnavailable, pinned_library_status

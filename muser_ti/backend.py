@@ -10,12 +10,22 @@ software Vulkan driver (lavapipe), which tests select explicitly with ``arch="vu
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
 import os
 import platform
+import sys
 from functools import lru_cache
+
+# Taichi prints a banner on import and another at every ti.init, on standard output; a library's standard
+# output belongs to its caller (`muser-decode --json | jq .`).  The import's banner is off unless the caller
+# asks for it (Taichi's own switch; redirecting sys.stdout around the import instead would make Taichi wrap
+# every kernel call to flush a print buffer), and ti.init's line goes to standard error (activate).  This
+# module is the package's first import of Taichi (muser_ti/__init__.py imports it first).
+os.environ.setdefault("ENABLE_TAICHI_HEADER_PRINT", "0")
+import taichi as ti  # noqa: E402
 
 ARCHS = ("auto", "cpu", "cuda", "vulkan", "metal")
 GPU_ARCHS = ("cuda", "vulkan", "metal")
@@ -110,8 +120,6 @@ def activate(arch: str = "auto") -> str:
         raise BackendError("arch 'metal' needs macOS (Taichi's Metal backend); this machine runs " + platform.system())
     if want == "vulkan" and not has_vulkan():
         raise BackendError("arch 'vulkan': no Vulkan device found (install a driver, e.g. Mesa's lavapipe, and libvulkan1)")
-    import taichi as ti
-
     if _active is not None:
         # arrays and graphs of the old runtime that only a reference cycle still holds would be freed after
         # the reset, into memory it no longer owns (a segfault): collect them while it stands
@@ -123,8 +131,9 @@ def activate(arch: str = "auto") -> str:
     # MUSER_TI_PRINT_ASM=1: Taichi writes each CUDA module's PTX to the working directory (for ptxas -v).
     profiler = os.environ.get("MUSER_TI_KERNEL_PROFILER") == "1"
     print_asm = os.environ.get("MUSER_TI_PRINT_ASM") == "1"
-    ti.init(arch=getattr(ti, want), fast_math=False, offline_cache=not print_asm, log_level=ti.WARN, unrolling_limit=0,
-            kernel_profiler=profiler, print_kernel_asm=print_asm)
+    with contextlib.redirect_stdout(sys.stderr):
+        ti.init(arch=getattr(ti, want), fast_math=False, offline_cache=not print_asm, log_level=ti.WARN,
+                unrolling_limit=0, kernel_profiler=profiler, print_kernel_asm=print_asm)
     got = ti.lang.impl.current_cfg().arch.name
     if got != {"cpu": "x64"}.get(want, want) and not (want == "cpu" and got in ("x64", "arm64")):
         ti.reset()

@@ -31,11 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import muser_ti as mt  # noqa: E402
-from muser_ti.reference import relative_error  # noqa: E402
-from muser_ti.tolerances import F32_ROUTE_RTOL  # noqa: E402
+import muser_ti as mt
+from muser_ti.reference import relative_error
+from muser_ti.tolerances import F32_ROUTE_RTOL
 
 
 def rss_kib() -> int:

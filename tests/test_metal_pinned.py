@@ -261,7 +261,7 @@ def test_repository_pin_is_never_silently_accepted(lib):
 
 
 # named ids: pytest versions print ids of strings like these differently (the H200's pytest 9.1.1 printed the
-# two-pin text escaped, this machine's collects it as "text5"), and scripts/suite_results.py matches by id
+# two-pin text escaped, this machine's collects it as "text5"), and scripts/lab/suite_results.py matches by id
 @pytest.mark.parametrize("text", ["", "# nothing\n", "UNSET\n", "abc\n", "g" * 64 + "\n",
                                   "a" * 64 + "\n" + "b" * 64 + "\n", "a" * 63 + "\n"],
                          ids=["empty", "comment only", "UNSET", "short", "not hex", "two pins", "63 digits"])

@@ -1,19 +1,12 @@
-"""scripts/sweep.py: sweep files are validated before any engine is built, and sweeps resume."""
+"""muser-sweep (muser_ti/cli/sweep.py): sweep files are validated before any engine is built, and sweeps resume."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 import muser_ti as mt
+from muser_ti.cli import sweep
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("sweep", ROOT / "scripts" / "sweep.py")
-sweep = importlib.util.module_from_spec(_spec)
-sys.modules["sweep"] = sweep
-_spec.loader.exec_module(sweep)
 
 TINY = dict(name="tiny-test", n_heads=4, n_kv_heads=2, head_dim=64, n_layers=2, layer_pattern=["swa", "nope"],
             window=8, max_context=64, attention_scale="auto", weight_stream_bytes=1_000_000)

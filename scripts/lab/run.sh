@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# The lab's runner on the lent GPU machine (an H100 or H200, through the device tool): set up Taichi from
+# the carried wheels and the Vulkan loader from the carried .debs, then run one mode:
+#
+#   bench            CUDA and Vulkan: one layer per route (GPU busy time: CUPTI on CUDA, graph replays on
+#                    Vulkan) and 52-layer steps (wall per token), torch SDPA and the copy bandwidth in the
+#                    same processes (BENCH_ARCHS, BENCH_MODES, BENCH_DEPTHS, BENCH_TIMEOUT)
+#   tests            the suite on CUDA and Vulkan, time-boxed (TEST_WORKERS, TEST_TIMEOUT, TEST_SHARD, TEST_ARGS;
+#                    TEST_IDS: a file of node ids; TEST_CONTINUE=1: what no earlier call on this machine reached,
+#                    TEST_CONTINUE_FROM: logs of earlier calls to count too)
+#   profile          ncu on one deep NoPE layer's producer: counters and stall reasons with the SASS lines they
+#                    sample most (PROFILE_KERNEL: producer or reduce), and a CUPTI trace of a step
+#   ab OLD NEW       CUDA layers (CUPTI) and steps on two trees in alternating rounds (AB_ROUNDS), each a folder
+#                    made here with `git archive <commit> muser_ti configs pyproject.toml | tar -x -C build/ab_old`
+#                    and carried, or "." for this tree
+#   tune             the GPU producer's tiles in one process against the float64 reference (scripts/lab/tune_gpu.py
+#                    tiles; TUNE_VARIANTS), with ptxas's registers and spills per producer
+#   spread           CUDA steps in SPREAD_ROUNDS processes: the host's speed moves between processes
+#
+# Carry .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for tests) and .gl (the Vulkan
+# loader's .debs).  Results and logs land in $OUT; docs/lab/runs.md is the notebook they go into.
+set -uo pipefail
+what=${1:-bench}
+if [ ! -d /tmp/site/taichi ]; then  # once per machine: later calls on the warm machine reuse it
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+fi
+export PYTHONPATH=/tmp/site:$PWD:$PWD/scripts/lab PYTHONUNBUFFERED=1 ENABLE_TAICHI_HEADER_PRINT=0
+export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+
+bench() {  # name, command...: the command's JSON rows, one line each
+  local name=$1; shift
+  "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$?"
+  grep -E '^\{' "$OUT/$name.log" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    peers = "  ".join("%s %.4f ms" % (k[:-3], r[k]) for k in sorted(r) if k.endswith("_ms") and k != "ours_ms")
+    print("  %-34s %7d  ours %8.4f ms  %s  %6.0f GB/s" % (r["what"][:34], r["depth"], r["ours_ms"], peers, r["ours_gb_s"]))'
+}
+
+case $what in
+bench)
+  for arch in ${BENCH_ARCHS-cuda vulkan}; do
+    case " ${BENCH_MODES:-layers steps} " in *" layers "*)
+      bench $arch-layers timeout ${BENCH_TIMEOUT:-200} python3 scripts/bench.py --arch $arch --mode layers \
+        --layer-depths ${BENCH_DEPTHS:-2048,32768,131072} --routes interleaved,splitk --repeats 15 --json "$OUT/$arch-layers.json";;
+    esac
+    case " ${BENCH_MODES:-layers steps} " in *" steps "*)  # a cold CUDA step build takes over 150 s
+      bench $arch-steps timeout ${BENCH_TIMEOUT:-360} python3 scripts/bench.py --arch $arch --mode steps \
+        --step-depths ${BENCH_DEPTHS:-2048,32768,131072} --repeats 15 --json "$OUT/$arch-steps.json";;
+    esac
+  done;;
+
+tests)
+  # -v -rfE: each result lands in the log as it happens, so a call cut by its limit still names its failures.  The
+  # limit interrupts (SIGINT) and kills 45 s later: an interrupted pytest prints its summary and each process
+  # exits, which is when Taichi writes its offline cache, so the next call on the warm machine loads the kernels
+  stop="timeout -s INT -k 45 ${TEST_TIMEOUT:-560}"
+  common="-v -rfE --durations=0 --durations-min=5 -p no:cacheprovider -p timebox --arch cuda --arch vulkan"
+  suite_logs=/tmp/muser_suite_logs; mkdir -p "$suite_logs"
+  if [ -n "${TEST_CONTINUE:-}" ]; then  # the ids no earlier log names (suite_results.py), as this pytest collects them
+    shopt -s nullglob
+    for f in ${TEST_CONTINUE_FROM:-}; do cp "$f" "$suite_logs/kept-$(basename "$f")" || exit 1; done
+    earlier=("$suite_logs"/*); shopt -u nullglob
+    [ ${#earlier[@]} -gt 0 ] || { echo "TEST_CONTINUE: no earlier log on this machine or in TEST_CONTINUE_FROM"; exit 1; }
+    python3 scripts/lab/suite_results.py "${earlier[@]}" --out "$OUT/before" | tee "$OUT/before.txt"
+    [ -s "$OUT/before/unreached.txt" ] || { echo "== TEST_CONTINUE: every collected test has a result"; exit 0; }
+    TEST_IDS=$OUT/before/unreached.txt
+  fi
+  if [ -n "${TEST_IDS:-}" ]; then
+    # one plain pytest per part (--only-ids), not xdist, which took node ids as 0 items on the device's image; runs
+    # of sorted ids (l/), so a test's cases that share kernels compile them once in one process
+    rm -f /tmp/ids_part*; split -n l/${TEST_WORKERS:-8} -d "$TEST_IDS" /tmp/ids_part
+    for part in /tmp/ids_part*; do
+      $stop python3 -m pytest $common -p no:xdist --only-ids "$part" tests/ > "$part.log" 2>&1 &
+    done
+    wait; cat /tmp/ids_part*.log > "$OUT/tests.log"
+  else
+    workers=$([ -n "${TEST_WORKERS:-}" ] && python3 -c "import xdist" 2>/dev/null && echo "-n $TEST_WORKERS")
+    $stop python3 -m pytest $common $workers ${TEST_SHARD:+--shard $TEST_SHARD} ${TEST_ARGS:-tests/} > "$OUT/tests.log" 2>&1
+  fi
+  echo "== tests rc=$?"; cp "$OUT/tests.log" "$suite_logs/run-$(date +%s).log"
+  grep -cE " PASSED" "$OUT/tests.log" | sed 's/$/ passed/'; grep -E "FAILED|ERROR" "$OUT/tests.log" | head -40
+  tail -4 "$OUT/tests.log";;
+
+profile)
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  metrics=l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum
+  timeout 200 "$ncu" --clock-control none -k regex:${PROFILE_KERNEL:-producer} --launch-skip 3 --launch-count 1 \
+    --import-source no --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section SourceCounters --metrics "$metrics" -f -o "$OUT/profile" \
+    python3 scripts/bench.py --arch cuda --mode layers --layer-depths 131072 --routes interleaved --repeats 2 \
+    > "$OUT/profile.log" 2>&1; echo "== ncu rc=$?"
+  "$ncu" -i "$OUT/profile.ncu-rep" --page details > "$OUT/profile.txt" 2>&1
+  "$ncu" -i "$OUT/profile.ncu-rep" --page raw --csv > "$OUT/profile-raw.csv" 2>&1
+  "$ncu" -i "$OUT/profile.ncu-rep" --page source --print-source sass --csv > "$OUT/profile-sass.csv" 2>&1
+  rm -f "$OUT/profile.ncu-rep"
+  grep -E "^ *(Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Executed Instructions )" "$OUT/profile.txt"
+  python3 scripts/lab/stall_report.py "$OUT/profile-raw.csv" "$OUT/profile-sass.csv" | tee "$OUT/stalls.txt"
+  timeout 200 python3 scripts/lab/tune_gpu.py trace --depths 2048,131072 --json "$OUT/trace.json" > "$OUT/trace.log" 2>&1
+  echo "== trace rc=$?";;
+
+ab)
+  old=${2:?ab OLD NEW: two tree folders}; new=${3:?ab OLD NEW: two tree folders}
+  for round in $(seq 1 ${AB_ROUNDS:-2}); do
+    for side in old new; do
+      tree=${!side}
+      (cd "$tree" && PYTHONPATH=/tmp/site:$PWD bench "$side-$round-layers" timeout 200 python3 -m muser_ti.cli.bench \
+        --arch cuda --mode layers --layer-depths 2048,32768,131072 --routes interleaved --repeats 15)
+      (cd "$tree" && PYTHONPATH=/tmp/site:$PWD bench "$side-$round-steps" timeout 300 python3 -m muser_ti.cli.bench \
+        --arch cuda --mode steps --step-depths 2048,131072 --repeats 15)
+    done
+  done;;
+
+tune)
+  MUSER_TI_PRINT_ASM=1 timeout ${TUNE_TIMEOUT:-400} python3 scripts/lab/tune_gpu.py tiles --arch ${TUNE_ARCH:-cuda} \
+    --depths ${TUNE_DEPTHS:-2048,32768,131072} --variants "${TUNE_VARIANTS:-;WT=0}" --json "$OUT/tune.json" \
+    > "$OUT/tune.log" 2>&1; echo "== tune rc=$?"; grep -E '^\{' "$OUT/tune.log" | cut -c1-300
+  ptxas=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
+  for f in taichi_kernel_nvptx_*.ptx; do  # registers and spills of every producer module Taichi printed
+    [ -f "$f" ] && grep -aq "\.entry producer" "$f" || continue
+    tr -d '\000' < "$f" > /tmp/clean.ptx  # Taichi's printed PTX ends in a NUL, which ptxas reads as a bad EOF
+    echo "$f: $("$ptxas" -arch=sm_90 -v /tmp/clean.ptx -o /dev/null 2>&1 | grep -E "registers|spill" | tr '\n' ' ')"
+  done;;
+
+spread)  # the first process compiles (a cold CUDA step build takes over 150 s); the rest load Taichi's cache
+  bench spread-1 timeout ${SPREAD_FIRST_TIMEOUT:-330} python3 scripts/bench.py --arch cuda --mode steps \
+    --step-depths 2048,131072 --repeats 15 --json "$OUT/spread-1.json"
+  for round in $(seq 2 ${SPREAD_ROUNDS:-4}); do
+    bench spread-$round timeout 80 python3 scripts/bench.py --arch cuda --mode steps --step-depths 2048 --repeats 15 \
+      --json "$OUT/spread-$round.json"
+  done;;
+
+*) echo "run.sh: unknown mode $what (bench, tests, profile, ab OLD NEW, tune, spread)"; exit 2;;
+esac
