@@ -5,15 +5,16 @@
     eng = mt.Engine(cfg, arch="auto", pinned="auto", graph="teacher")
 """
 
-from . import backend  # first: it imports Taichi with the banner on stderr
+from . import backend  # noqa: F401  (first: it imports Taichi, with its banner off; backend.py says why)
 from . import ladder, reference, tolerances
-from .config import ConfigError, Geometry, geometry_from_dict, load_config
-from .engine import Engine, EngineError, PinnedUnavailable, pinned_library_status
-from .ladder import INTERLEAVED, LLAMA_VEC_NOPE, LLAMA_VEC_SWA, ROUTES, SPLITK, RouteError
+from .config import Geometry, geometry_from_dict, load_config
+from .engine import Engine, pinned_library_status
+from .errors import ConfigError, EngineError, PinnedUnavailable, RouteError, SnapshotError
+from .ladder import INTERLEAVED, LLAMA_VEC_NOPE, LLAMA_VEC_SWA, ROUTES, SPLITK
 
 __all__ = [
     "ConfigError", "Engine", "EngineError", "Geometry", "INTERLEAVED", "LLAMA_VEC_NOPE", "LLAMA_VEC_SWA",
-    "PinnedUnavailable", "ROUTES", "RouteError", "SPLITK", "geometry_from_dict", "ladder", "load_config",
-    "pinned_library_status", "reference", "tolerances",
+    "PinnedUnavailable", "ROUTES", "RouteError", "SPLITK", "SnapshotError", "geometry_from_dict", "ladder",
+    "load_config", "pinned_library_status", "reference", "tolerances",
 ]
 __version__ = "0.1.0"

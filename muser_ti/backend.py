@@ -19,6 +19,8 @@ import platform
 import sys
 from functools import lru_cache
 
+from .errors import BackendError
+
 # Taichi prints a banner on import and another at every ti.init, on standard output; a library's standard
 # output belongs to its caller (`muser-decode --json | jq .`).  The import's banner is off unless the caller
 # asks for it (Taichi's own switch; redirecting sys.stdout around the import instead would make Taichi wrap
@@ -34,8 +36,6 @@ _active: str | None = None
 _generation = 0
 
 
-class BackendError(RuntimeError):
-    """The requested backend is not available on this machine."""
 
 
 # ---- Vulkan device discovery (no Taichi involved, so probing never re-initialises anything) ------

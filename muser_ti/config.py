@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from .errors import ConfigError
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 SWA = "swa"
@@ -26,8 +28,6 @@ HEAD_DIMS = (64, 128, 256)
 KV_DTYPE_BYTES = 2  # K and V are stored as f16
 
 
-class ConfigError(ValueError):
-    """A geometry file or value is invalid; the message names file, field, value and allowed range."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 
 from .config import NOPE, SWA
+from .errors import RouteError
 from .planes import PlaneState
 
 STRICT_ENV = "MUSER_CROSS_VENDOR_QK"
@@ -31,8 +32,6 @@ ROUTE_KIND = {LLAMA_VEC_SWA: SWA, SPLITK: SWA, LLAMA_VEC_NOPE: NOPE, INTERLEAVED
 PINNED_ROUTES = (LLAMA_VEC_SWA, LLAMA_VEC_NOPE)
 
 
-class RouteError(ValueError):
-    """A route was forced whose predicate fails, or forced onto the wrong layer class."""
 
 
 def strict_attention() -> bool:
@@ -91,3 +90,22 @@ def select(kind: str, plane: PlaneState, pinned_loaded: bool, strict: bool, forc
             f"capacity={plane.capacity}, origin_physical={plane.origin_physical}"
         )
     return forced
+
+
+def parse_force(force, layer_kinds: tuple[str, ...]) -> dict[int, str]:
+    """Engine(force=...) as {layer: route}: a route name forces every layer of its class; a dict names
+    layers one by one.  Unknown routes and layers are refused here; a predicate is checked per step."""
+    if force is None:
+        return {}
+    if isinstance(force, str):
+        if force not in ROUTES:
+            raise RouteError(f"unknown route {force!r}; routes are {list(ROUTES)}")
+        return {i: force for i, kind in enumerate(layer_kinds) if kind == ROUTE_KIND[force]}
+    out = {}
+    for layer, route in dict(force).items():
+        if not (isinstance(layer, int) and 0 <= layer < len(layer_kinds)):
+            raise RouteError(f"force: layer {layer!r} is not in [0, {len(layer_kinds)})")
+        if route not in ROUTES:
+            raise RouteError(f"force: unknown route {route!r} for layer {layer}; routes are {list(ROUTES)}")
+        out[layer] = route
+    return out

@@ -52,14 +52,15 @@ def machine() -> dict:
 
 
 # ---- GPU: a dispatch list's device time from graph replays ------------------------------------------
-def recorded_dispatches(eng, launch) -> list:
-    """The (kernel, args) dispatches that ``launch()`` makes through engine ``eng``, recorded, not launched."""
-    eng._recorded = []
+def recorded_dispatches(launcher, launch) -> list:
+    """The (kernel, args) dispatches that ``launch()`` makes through ``launcher`` (an engine's Launcher),
+    recorded, not launched."""
+    launcher.recorded = []
     try:
         launch()
-        return eng._recorded
+        return launcher.recorded
     finally:
-        eng._recorded = None
+        launcher.recorded = None
 
 
 def graph_repeat_us(dispatches, k: int, repeats: int) -> float:

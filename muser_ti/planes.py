@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .config import NOPE, SWA, Geometry
+from .errors import PlaneError
 
 NOPE_INITIAL_ROWS = 64  # first allocation of a growing plane (>= 32, so a normal session is vec-eligible)
 
@@ -35,8 +36,6 @@ def plane_shape(cfg: Geometry, kind: str, n_layers: int, rows: int) -> tuple[int
     return (n_layers, cfg.n_kv_heads, rows, cfg.head_dim)
 
 
-class PlaneError(ValueError):
-    """A plane cannot do what was asked (hold a window, rewind that far, grow past its cap)."""
 
 
 @dataclass(frozen=True)

@@ -26,27 +26,20 @@ import hashlib
 import json
 import os
 import tempfile
-from collections import Counter
 from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 
-from .config import NOPE, SWA, ConfigError, Geometry, geometry_from_dict
-from .engine import Engine, EngineError
-from .kernels import halves
+from .config import NOPE, SWA, Geometry, geometry_from_dict
+from .errors import ConfigError, SnapshotError
+from .kv_cache import PLANE_DTYPE, STATE_FIELDS as _STATE_FIELDS, KVCache
 from .planes import PlaneState, plane_shape
 
 FORMAT = "muser-ti-snapshot"
 VERSION = 1
-PLANE_DTYPE = np.float16
 _META_KEY = "muser_ti"
 _SUM_KEY = "sha256"
-_STATE_FIELDS = ("len", "capacity", "origin_logical", "origin_physical")
-
-
-class SnapshotError(EngineError):
-    """A snapshot cannot be written or is refused on load (the engine is unchanged)."""
 
 
 # ---- geometry <-> JSON -------------------------------------------------------------------------
@@ -71,46 +64,19 @@ def _checksum(meta_json: str, tensors: dict[str, np.ndarray]) -> str:
 
 
 # ---- save --------------------------------------------------------------------------------------
-def engine_tensors_and_meta(engine: Engine) -> tuple[dict[str, np.ndarray], dict]:
-    """The tensors and metadata a snapshot of ``engine`` holds (copies; the engine is not changed)."""
-    engine._check_alive()
-    g = engine.cfg
-    tensors: dict[str, np.ndarray] = {}
-    planes = {}
-    for kind, ps in engine.planes.items():
-        st = ps.state
-        k, v = engine.plane_halves(kind)
-        if kind == NOPE:  # growing plane: only the rows tokens own
-            k, v = k[:, :, : st.len], v[:, :, : st.len]
-        tensors[f"{kind}.k"] = np.ascontiguousarray(k, dtype=PLANE_DTYPE)
-        tensors[f"{kind}.v"] = np.ascontiguousarray(v, dtype=PLANE_DTYPE)
-        planes[kind] = {**{f: getattr(st, f) for f in _STATE_FIELDS}, "cap": ps.cap}
-    if engine._serving is not None:
-        sc = engine._serving
-        tensors["serving.k"] = np.ascontiguousarray(sc.k)
-        tensors["serving.v"] = np.ascontiguousarray(sc.v)
-        tensors["serving.pos"] = np.ascontiguousarray(sc.pos, dtype=np.int64)
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "geometry": _geometry_dict(g),
-        "dtype": "float16",
-        "position": engine.position,
-        "graph": engine.graph,
-        "planes": planes,
-        "route_counts": dict(engine.route_counts),
-        "routes": list(engine.routes),
-    }
-    return tensors, meta
+def file_meta(geometry: Geometry, session: dict) -> dict:
+    """The header's metadata: format, version, geometry, and the session (a cache's state_dict meta with the
+    engine's ``graph``, ``route_counts`` and ``routes``)."""
+    return {"format": FORMAT, "version": VERSION, "geometry": _geometry_dict(geometry), "dtype": "float16", **session}
 
 
-def save_engine(engine: Engine, path: str | os.PathLike) -> Path:
-    """Write ``engine``'s session to ``path`` (safetensors), atomically: temp file, fsync, rename."""
+def save(path: str | os.PathLike, geometry: Geometry, tensors: dict[str, np.ndarray], session: dict) -> Path:
+    """Write a session (Engine.snapshot_contents) to ``path`` (safetensors), atomically: temp file, fsync,
+    rename."""
     from safetensors.numpy import save_file
 
     path = Path(path)
-    tensors, meta = engine_tensors_and_meta(engine)
-    meta_json = json.dumps(meta, sort_keys=True)
+    meta_json = json.dumps(file_meta(geometry, session), sort_keys=True)
     header = {_META_KEY: meta_json, _SUM_KEY: _checksum(meta_json, tensors)}
     directory = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
@@ -155,12 +121,17 @@ class _Snapshot:
     def cap(self, kind: str) -> int:
         return self.meta["planes"][kind]["cap"]
 
+    @property
+    def session_capacity(self) -> int | None:
+        """The Engine(capacity=...) argument the session was made with."""
+        return KVCache.session_capacity(self.geometry, {kind: p["cap"] for kind, p in self.meta["planes"].items()})
+
 
 def _int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def read_snapshot(path: str | os.PathLike) -> _Snapshot:
+def read(path: str | os.PathLike) -> _Snapshot:
     """Read and validate a snapshot file completely (nothing is touched); SnapshotError if refused."""
     from safetensors import SafetensorError, safe_open
 
@@ -226,7 +197,7 @@ def read_snapshot(path: str | os.PathLike) -> _Snapshot:
         if problems:
             raise SnapshotError(f"{where}: {kind} plane state is inconsistent: {'; '.join(problems)}")
 
-    if _session_capacity_of(geom, planes) is False:
+    if KVCache.session_capacity(geom, {kind: p["cap"] for kind, p in planes.items()}) is False:
         raise SnapshotError(f"{where}: plane caps {({k: p['cap'] for k, p in planes.items()})} follow neither from the "
                             "geometry nor from any per-session capacity")
 
@@ -242,7 +213,7 @@ def read_snapshot(path: str | os.PathLike) -> _Snapshot:
     if graph not in ("teacher", "serving"):
         raise SnapshotError(f"{where}: graph {graph!r}, expected 'teacher' or 'serving'")
     if graph == "serving" and SWA in kinds:
-        from .llama_rung import LLAMA_KV_PAD, pad
+        from .pinned.llama_rung import LLAMA_KV_PAD, pad
 
         cells = pad(geom.window + geom.n_ubatch, LLAMA_KV_PAD)
         n_swa = len(geom.swa_layers)
@@ -268,98 +239,16 @@ def read_snapshot(path: str | os.PathLike) -> _Snapshot:
     return _Snapshot(path, geom, meta, tensors)
 
 
-def _check_fits(snap: _Snapshot, engine: Engine) -> None:
-    """Refuse a snapshot that does not describe this engine's session (before anything is written)."""
+def check_fits(snap: _Snapshot, cache: KVCache) -> None:
+    """Refuse a snapshot that does not describe this cache's session (before anything is written)."""
     where = f"snapshot {snap.path}"
-    diff = _geometry_diff(snap.geometry, engine.cfg)
+    diff = _geometry_diff(snap.geometry, cache.cfg)
     if diff:
         raise SnapshotError(f"{where}: saved for another geometry ({'; '.join(diff)})")
-    for kind, ps in engine.planes.items():
+    for kind, ps in cache.planes.items():
         if snap.cap(kind) != ps.cap:
             raise SnapshotError(f"{where}: the {kind} plane may hold {snap.cap(kind)} rows in the file but "
                                 f"{ps.cap} in this engine (a different per-session capacity)")
-    if engine._serving is not None and snap.meta["graph"] != "serving":
+    if cache.serving is not None and snap.meta["graph"] != "serving":
         raise SnapshotError(f"{where}: saved from graph={snap.meta['graph']!r}; a serving engine needs llama.cpp's "
                             "cell-order cache, which that file does not hold")
-
-
-def restore_into(engine: Engine, path: str | os.PathLike) -> None:
-    """Replace ``engine``'s session with the one in ``path``; refused files leave it unchanged."""
-    engine._check_alive()
-    snap = read_snapshot(path)
-    _check_fits(snap, engine)
-    _apply(engine, snap)
-
-
-def _apply(engine: Engine, snap: _Snapshot) -> None:
-    g = engine.cfg
-    # Build the full device images first (host memory), then write; allocation of a NoPE plane of
-    # another capacity happens here too, before any existing array is overwritten.
-    staged = {}
-    for kind, ps in engine.planes.items():
-        st = snap.state(kind)
-        k, v = snap.tensors[f"{kind}.k"], snap.tensors[f"{kind}.v"]
-        if kind == NOPE:
-            full_k = np.zeros(plane_shape(g, kind, k.shape[0], st.capacity), PLANE_DTYPE)
-            full_v = np.zeros_like(full_k)
-            full_k[:, :, : st.len] = k
-            full_v[:, :, : st.len] = v
-            k, v = full_k, full_v
-        if st.capacity == ps.state.capacity:
-            dk, dv = engine._k[kind], engine._v[kind]
-        else:
-            dk, dv = engine._alloc_plane(kind, st.capacity)
-        staged[kind] = (dk, dv, k, v, st)
-    for kind, (dk, dv, k, v, st) in staged.items():
-        halves.from_halves(dk, k)
-        halves.from_halves(dv, v)
-        engine._k[kind], engine._v[kind] = dk, dv
-        engine.planes[kind].state = st
-        if engine.mirror is not None:  # the mirror is re-synced in bulk from the file's rows
-            engine.mirror.load(kind, snap.tensors[f"{kind}.k"], snap.tensors[f"{kind}.v"], st)
-    if engine._serving is not None:
-        sc = engine._serving
-        sc.k[...] = snap.tensors["serving.k"]
-        sc.v[...] = snap.tensors["serving.v"]
-        sc.pos[...] = snap.tensors["serving.pos"]
-    engine.position = snap.position
-    engine.route_counts = Counter(snap.meta["route_counts"])
-    engine.routes = list(snap.meta["routes"])
-
-
-def _caps(geom: Geometry, capacity: int | None) -> dict[str, int]:
-    """Plane caps Engine(geom, capacity=capacity) gives (the rule in Engine.__init__)."""
-    out = {}
-    if geom.swa_layers:
-        out[SWA] = capacity if capacity is not None else geom.swa_ring_capacity
-    if geom.nope_layers:
-        out[NOPE] = min(capacity, geom.max_context) if capacity is not None else geom.max_context
-    return out
-
-
-def _session_capacity_of(geom: Geometry, planes: dict):
-    """The Engine(capacity=...) argument that gives the planes these caps: None for the geometry's own,
-    an int, or False if no argument does (a forged or inconsistent file)."""
-    caps = {kind: p["cap"] for kind, p in planes.items()}
-    for candidate in (None, caps.get(NOPE), caps.get(SWA)):
-        if (candidate is None or candidate >= 1) and _caps(geom, candidate) == caps:
-            return candidate
-    return False
-
-
-def _session_capacity(snap: _Snapshot) -> int | None:
-    return _session_capacity_of(snap.geometry, snap.meta["planes"])
-
-
-def load_engine(path: str | os.PathLike, arch: str = "auto", pinned: str = "auto", graph: str | None = None,
-                force=None, mirror: str | None = None) -> Engine:
-    """A new engine holding the session saved in ``path`` (its geometry and per-session capacity).
-
-    ``graph`` defaults to the graph the session was saved from.
-    """
-    snap = read_snapshot(path)
-    engine = Engine(snap.geometry, arch=arch, pinned=pinned, graph=graph or snap.meta["graph"], force=force,
-                    capacity=_session_capacity(snap), mirror=mirror)
-    _check_fits(snap, engine)
-    _apply(engine, snap)
-    return engine

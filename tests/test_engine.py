@@ -79,9 +79,10 @@ def test_f16_output_reducer_is_the_f32_result_rounded(arch):
     # Re-run splitk over the SWA layers (the plane already holds this token) with the f16 reducer.
     swa = cfg.swa_layers
     out16 = ti.ndarray(ti.f16, (cfg.n_layers, cfg.n_heads, cfg.head_dim))
-    eng._q_dev = eng._upload(eng._q, q)
-    k_dev, v_dev = eng._upload(eng._k_cur, k), eng._upload(eng._v_cur, v)
-    eng._run_producer(eng._splitk, reduce_f16, "swa", swa, eng.planes["swa"].state, eng.position - 1, k_dev, v_dev, out16)
+    launcher = eng.launcher
+    k_dev, v_dev = launcher.upload(q, k, v)
+    launcher.run_producer(launcher.splitk, reduce_f16, "swa", swa, eng.planes["swa"].state, eng.position - 1, k_dev,
+                          v_dev, out16)
     got = out16.to_numpy()[list(swa)]
     np.testing.assert_array_equal(got, out32[list(swa)].astype(np.float16))
     assert relative_error(got, eng.reference(q, k, v)[list(swa)]) <= F16_OUTPUT_RTOL
@@ -156,7 +157,7 @@ def test_forced_routes(arch):
 
 def test_pinned_modes_without_the_library(arch, monkeypatch):
     """With no pinned library (simulated here, so the test means the same on every machine)."""
-    from muser_ti import llama_rung
+    from muser_ti.pinned import llama_rung
 
     monkeypatch.setattr(llama_rung, "pinned_status", lambda arch: (False, "simulated: not installed"))
     cfg = geometry(window=64, **GEOMETRIES["gqa4-d64"])

@@ -25,7 +25,7 @@ import types
 import numpy as np
 import pytest
 
-from muser_ti.ggml_flash_attn import (
+from muser_ti.pinned.ggml import (
     GgmlFlashAttn,
     KVView,
     PinnedLibraryError,
@@ -351,7 +351,7 @@ def test_taichi_cpu_ndarray_in_place():
     script = textwrap.dedent("""
         import numpy as np, taichi as ti
         ti.init(arch=ti.cpu, log_level=ti.ERROR, offline_cache=False)
-        from muser_ti.ggml_flash_attn import GgmlFlashAttn, taichi_plane
+        from muser_ti.pinned.ggml import GgmlFlashAttn, taichi_plane
         D, H, Hkv, cap, n, first = 128, 32, 2, 100, 70, 5
         rng = np.random.default_rng(0)
         kn = rng.standard_normal((cap, Hkv, D)).astype(np.float16)
@@ -420,7 +420,7 @@ def test_pinned_library_error_is_runtime_error():
     (types.SimpleNamespace(__version__="0.0.44"), "0.0.44 is installed"),
 ])
 def test_pinned_status_says_why_not(monkeypatch, fake, why):
-    import muser_ti.ggml_flash_attn as gfa
+    import muser_ti.pinned.ggml as gfa
     monkeypatch.setattr(gfa, "_PINNED", None)
     monkeypatch.setitem(sys.modules, "ggml", fake)
     ok, msg = pinned_status()

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 import muser_ti as mt
-from muser_ti import PinnedUnavailable, ladder, llama_rung
-from muser_ti.ggml_flash_attn import GgmlFlashAttn, pinned_status
+from muser_ti import PinnedUnavailable, ladder
+from muser_ti.pinned import llama_rung
+from muser_ti.pinned.ggml import GgmlFlashAttn, pinned_status
 from muser_ti.tolerances import LLAMA_CPU_VTOL
 from sessions import GEOMETRIES, Session, geometry
 
@@ -143,7 +144,7 @@ def test_serving_graph_is_bit_identical_to_llamas_cache_and_teacher_is_not(arch)
     serving = mt.Engine(cfg, arch=arch, pinned="on", graph="serving")
     teacher = mt.Engine(cfg, arch=arch, pinned="on", graph="teacher")
     model = LlamaCacheModel(cfg)
-    assert serving._serving.cells == model.cells == 256
+    assert serving.cache.serving.cells == model.cells == 256
     rng = np.random.default_rng(7)
     L, H, KV, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     compared = wrapped_differences = 0

@@ -3,7 +3,7 @@
 Everything that needs no Metal is checked here on Linux: the plain C (fa_plan.c, mp_pin.c) is
 compiled with gcc into a temporary folder, both as the C test program (through the Makefile's
 check-plan target) and as a shared library loaded with ctypes through the same declarations
-muser_ti.metal_bridge uses on Darwin.  Expected values are stated here independently, from the
+muser_ti.pinned.metal_bridge uses on Darwin.  Expected values are stated here independently, from the
 facts in shared/notes/llama-vec-kernel.md (checked against ggml v0.15.3, eced84c8).
 
 The tests that dispatch the kernel need macOS with Metal and skip here with that reason.
@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import pytest
 
-from muser_ti import metal_bridge as mb
+from muser_ti.pinned import metal_bridge as mb
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "metal_pinned"

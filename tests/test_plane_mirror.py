@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 import muser_ti as mt
-from muser_ti import ladder, metal_bridge as mb, plane_mirror
+from muser_ti import ladder
+from muser_ti.pinned import metal_bridge as mb, mirror as plane_mirror
 from muser_ti.config import NOPE, SWA
-from muser_ti.ggml_flash_attn import pinned_status
+from muser_ti.pinned.ggml import pinned_status
 from muser_ti.planes import PlaneState
 from sessions import GEOMETRIES, Session, geometry, token_stream
 
@@ -240,7 +241,7 @@ def test_bridge_descriptors_over_the_mirror_fit_its_buffers(arch, plan_lib, grap
             layers = tuple(i for i, r in enumerate(eng.routes) if r == route)
             if not layers:
                 continue
-            views = eng._vec_views(kind, layers, eng.planes[kind].state, p)
+            views = eng.vec.views(kind, layers, eng.planes[kind].state, p)
             probs = plane_mirror.bridge_problems(views, eng.mirror.backing.locate, cfg.n_heads, cfg.n_kv_heads,
                                                  cfg.head_dim, cfg.attention_scale)
             for vw, (prob, (kbuf, koff), (vbuf, voff)) in zip(views, probs):

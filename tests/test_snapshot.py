@@ -16,7 +16,7 @@ import pytest
 
 import muser_ti as mt
 from muser_ti import snapshot
-from muser_ti.snapshot import SnapshotError
+from muser_ti.errors import SnapshotError
 from sessions import GEOMETRIES, Session, geometry, token_stream as tokens
 
 D64 = GEOMETRIES["gqa4-d64"]
@@ -81,8 +81,8 @@ def live(eng):
         if kind == "nope":
             k, v = k[:, :, : st.len], v[:, :, : st.len]
         out[kind] = (k, v, st)
-    if eng._serving is not None:
-        out["serving"] = (eng._serving.k.copy(), eng._serving.v.copy(), eng._serving.pos.copy())
+    if eng.cache.serving is not None:
+        out["serving"] = (eng.cache.serving.k.copy(), eng.cache.serving.v.copy(), eng.cache.serving.pos.copy())
     return out
 
 
@@ -197,7 +197,7 @@ def test_no_prefix_of_a_snapshot_loads(arch, tmp_path):
     for cut in sorted({0, 1, 7, 8, 9, 50, 200, len(data) // 3, len(data) // 2, len(data) - 2, len(data) - 1}):
         bad.write_bytes(data[:cut])
         with pytest.raises(SnapshotError, match="truncated or corrupt|not a muser-ti snapshot"):
-            snapshot.read_snapshot(bad)
+            snapshot.read(bad)
 
 
 # ---- refused files leave the engine unchanged -----------------------------------------------------
@@ -281,7 +281,8 @@ def test_bad_snapshot_is_refused_and_changes_nothing(arch, tmp_path, case):
     elif isinstance(edit, str) and edit.startswith("flip:"):
         _flip_byte(path, int(edit.split(":")[1]))
     else:
-        tensors, meta = snapshot.engine_tensors_and_meta(src)
+        tensors, session = src.snapshot_contents()
+        meta = snapshot.file_meta(src.cfg, session)
         edit(tensors, meta)
         forge(path, tensors, meta)
 

@@ -75,7 +75,7 @@ def test_one_dispatch_step_gives_the_graph_routes_bits(arch, geom, pattern):
     cfg = geometry(window=48, pattern=pattern, **GEOMETRIES[geom])
     one = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=21, dist="peaked")
     graph = mt.Engine(cfg, arch=arch, pinned="off")
-    graph._step_kernel = None  # every step through the graph route
+    graph.launcher.step_kernel = None  # every step through the graph route
     one.prefill(40, also=graph)
     out = ti.ndarray(ti.f32, (cfg.n_layers, cfg.n_heads, cfg.head_dim))
     grew = 0

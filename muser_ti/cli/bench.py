@@ -112,7 +112,7 @@ class Peers:
         self.cfg = cfg
         self.repeats = repeats
         try:
-            from muser_ti.ggml_flash_attn import GgmlFlashAttn
+            from muser_ti.pinned.ggml import GgmlFlashAttn
 
             self.ggml = GgmlFlashAttn(cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.attention_scale, os.cpu_count())
         except Exception as exc:  # reported, not fatal: the bench still runs the project's routes
@@ -164,7 +164,7 @@ def bench_layer(base, route, depth, arch, peers: Peers, rng, repeats) -> dict:
     prefill(eng, depth - 1, rng)
     ours, q = timed_step(eng, rng, repeats)
     assert eng.routes == [route], eng.routes
-    kh, vh = eng._host_plane(ROUTE_KIND[route])
+    kh, vh = eng.cache.host_views(ROUTE_KIND[route])
     k, v, layout = kh[0], vh[0], reference.TOKEN_MAJOR if route == "splitk" else reference.HEAD_MAJOR
     row = {"what": f"1 layer {route}", "depth": depth, "visible": depth, "ours_ms": ours * 1e3}
     qh = q[0]
@@ -184,8 +184,8 @@ def bench_step(base, depth, arch, peers: Peers, rng, repeats) -> dict:
     row = {"what": f"{base.n_layers}-layer step", "depth": depth, "visible": max(visibles), "ours_ms": ours * 1e3,
            "routes": dict(eng.route_counts)}
     # peers: one call per layer, as a user of each library would write the step (zero-copy plane views)
-    host = {kind: eng._host_plane(kind) for kind in eng.planes}
-    planes = [(host[kind][0][eng._slot[layer]], host[kind][1][eng._slot[layer]], eng.planes[kind].state,
+    host = {kind: eng.cache.host_views(kind) for kind in eng.planes}
+    planes = [(host[kind][0][eng.cache.slot[layer]], host[kind][1][eng.cache.slot[layer]], eng.planes[kind].state,
                reference.TOKEN_MAJOR if kind == "swa" else reference.HEAD_MAJOR)
               for layer, kind in enumerate(base.layer_kinds)]
     for name, fn in (("ggml_ms", peers.ggml_layer if peers.ggml else None),
@@ -251,7 +251,7 @@ def gpu_layer(base, route, depth, arch, rng, repeats, torch) -> dict:
         if profiled:
             row.update({"what": f"1 layer {route} (device)", "ours_ms": statistics.median(times) * 1e3})
         else:
-            device_us = graph_repeat_us(recorded_dispatches(eng, launch), GRAPH_REPLAYS, repeats)
+            device_us = graph_repeat_us(recorded_dispatches(eng.launcher, launch), GRAPH_REPLAYS, repeats)
             row.update({"what": f"1 layer {route} (device, graph replays)", "ours_ms": device_us * 1e-3,
                         "host_wall_ms": statistics.median(times) * 1e3})
         if tasks:  # where the device time goes: each kernel's tasks (a serial one computes a range-for's bound)
@@ -266,9 +266,10 @@ def layer_launch(eng: mt.Engine, route: str):
     last step's position), with no step around it."""
     kind = ROUTE_KIND[route]
     layers = tuple(eng.cfg.swa_layers if kind == "swa" else eng.cfg.nope_layers)
-    producer, reduce = (eng._splitk, eng._reduce_f32) if route == "splitk" else (eng._interleaved, eng._reduce_v2)
+    lc = eng.launcher
+    producer, reduce = (lc.splitk, lc.reduce_f32) if route == "splitk" else (lc.interleaved, lc.reduce_v2)
     st, p = eng.planes[kind].state, eng.position - 1
-    return lambda: eng._run_producer(producer, reduce, kind, layers, st, p, eng._k_cur, eng._v_cur, eng._out)
+    return lambda: lc.run_producer(producer, reduce, kind, layers, st, p, lc.k_cur, lc.v_cur, lc.out)
 
 
 def cupti_layer_row(eng: mt.Engine, route: str, repeats: int, path=None) -> dict:

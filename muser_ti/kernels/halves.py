@@ -11,6 +11,8 @@ than 2 bytes per lane is to store it in a wider type.  u32 is the widest type ev
 converted in registers with exact f16 -> f32 conversions, so every value is the one an f16 plane held.
 """
 
+import ctypes
+
 import numpy as np
 import taichi as ti
 
@@ -107,5 +109,17 @@ def from_halves(arr, halves: np.ndarray) -> None:
     arr.from_numpy(words)
 
 
-__all__ = ["HALVES_PER_WORD", "alloc", "from_halves", "halves_shape", "high", "low", "pack", "packed_plane",
-           "packed_shape", "to_halves"]
+def host_view(arr) -> np.ndarray:
+    """A zero-copy float16 view, shape [..., head_dim], of a packed plane in host memory (the CPU backend,
+    where Taichi's arrays are the process's own memory): what ggml's kernel reads in place.  Valid while
+    ``arr`` lives; on a GPU backend Taichi gives no host address and this raises."""
+    if ti.lang.impl.current_cfg().arch not in (ti.x64, ti.arm64):
+        raise ValueError(f"host_view needs the CPU backend; Taichi runs on {ti.lang.impl.current_cfg().arch}")
+    addr = ti.lang.impl.get_runtime().prog.get_ndarray_data_ptr_as_int(arr.arr)
+    shape = halves_shape(arr)
+    buf = (ctypes.c_uint16 * int(np.prod(shape))).from_address(int(addr))
+    return np.frombuffer(buf, dtype=np.float16).reshape(shape)
+
+
+__all__ = ["HALVES_PER_WORD", "alloc", "from_halves", "halves_shape", "high", "host_view", "low", "pack",
+           "packed_plane", "packed_shape", "to_halves"]

@@ -42,7 +42,7 @@ def compare(arch: str, geom: str, dist: str, tokens: int, seed: int) -> list[dic
     cfg = geometry(window=48, pattern=("swa", "swa", "swa", "nope"), **GEOMETRIES[geom])
     one = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=seed, dist=dist)
     graph = mt.Engine(cfg, arch=arch, pinned="off")
-    graph._step_kernel = None  # every step through the graph route
+    graph.launcher.step_kernel = None  # every step through the graph route
     assert one.eng.one_dispatch_step, f"{arch} has no one-dispatch step for {geom}"
     one.prefill(40, also=graph)
     rows = []
@@ -56,8 +56,8 @@ def compare(arch: str, geom: str, dist: str, tokens: int, seed: int) -> list[dic
         for kind in (NOPE, SWA):
             layers = one.eng.planes[kind].layers
             nwg, _ = one.eng.split_geometry(visible_span(cfg, kind, p)[1], len(layers))
-            pa = one.eng._partials[kind, len(layers)].to_numpy()[:, :, :nwg]
-            pb = graph._partials[kind, len(layers)].to_numpy()[:, :, :nwg]
+            pa = one.eng.launcher.partials_for(kind, len(layers), nwg).to_numpy()[:, :, :nwg]
+            pb = graph.launcher.partials_for(kind, len(layers), nwg).to_numpy()[:, :, :nwg]
             row[f"{kind}_partials_ulps"] = {"M": ulps(pa[..., 0], pb[..., 0]), "S": ulps(pa[..., 1], pb[..., 1]),
                                             "O": ulps(pa[..., 2:], pb[..., 2:])}
             row[f"{kind}_out_ulps"] = {int(layer): ulps(a[layer], b[layer]) for layer in layers}

@@ -79,18 +79,19 @@ from pathlib import Path
 
 import numpy as np
 
-import muser_ti as mt  # noqa: E402
-from muser_ti.cli.bench import (cupti_layer_row, device_token, layer_geometry, prefill, random_token,  # noqa: E402
+import muser_ti as mt
+from muser_ti import inputs
+from muser_ti.cli.bench import (cupti_layer_row, device_token, layer_geometry, prefill, random_token,
                                 rewound_median)
-from muser_ti.measure import graph_repeat_us, median_time as median_s, recorded_dispatches  # noqa: E402
-from muser_ti.measure import profile_calls, summarize_trace  # noqa: E402
-from muser_ti.kernels.common import HEAD_MAJOR  # noqa: E402
-from muser_ti.kernels.producer import addressing, build_gpu_producer, tile_plan  # noqa: E402
-from muser_ti.kernels.producer_gpu import SHARED_BUDGET_BYTES, tile_overrides  # noqa: E402
-from muser_ti.kernels.splitk import gpu_items_cap, gpu_target_workgroups  # noqa: E402
-from muser_ti.reference import relative_error  # noqa: E402
-from muser_ti.replay import graph_arg  # noqa: E402
-from muser_ti.tolerances import F32_ROUTE_RTOL  # noqa: E402
+from muser_ti.measure import graph_repeat_us, median_time as median_s, recorded_dispatches
+from muser_ti.measure import profile_calls, summarize_trace
+from muser_ti.kernels.common import HEAD_MAJOR
+from muser_ti.kernels.producer import addressing, build_gpu_producer, tile_plan
+from muser_ti.kernels.producer_gpu import SHARED_BUDGET_BYTES, tile_overrides
+from muser_ti.kernels.splitk import gpu_items_cap, gpu_target_workgroups
+from muser_ti.reference import relative_error
+from muser_ti.replay import graph_arg
+from muser_ti.tolerances import F32_ROUTE_RTOL
 
 
 def emit(row: dict, rows: list) -> None:
@@ -125,29 +126,29 @@ def tiles(args, rows) -> None:
                 os.environ["MUSER_GPU_TARGET_WORKGROUPS"] = target[0]
             else:
                 os.environ.pop("MUSER_GPU_TARGET_WORKGROUPS", None)
-            eng._gpu_target = gpu_target_workgroups()  # an engine keeps the target it was made with
-            eng._items_cap = gpu_items_cap(eng._gpu_target, cfg.n_layers * cfg.n_kv_heads)
+            eng.launcher.target = gpu_target_workgroups()  # an engine keeps the target it was made with
+            eng.launcher.items_cap = gpu_items_cap(eng.launcher.target, cfg.n_layers * cfg.n_kv_heads)
             try:
                 plan = tile_plan(cfg.heads_per_kv, cfg.head_dim, budget, **tile_overrides(tile))
             except ValueError as exc:
                 emit({**row, "error": str(exc)}, rows)
                 continue
             row["plan"] = {"kind": type(plan).__name__, **dataclasses.asdict(plan)}
-            if (plan, eng._items_cap) not in producers:
-                producers[plan, eng._items_cap] = build_gpu_producer(
+            if (plan, eng.launcher.items_cap) not in producers:
+                producers[plan, eng.launcher.items_cap] = build_gpu_producer(
                     plan, cfg.n_kv_heads, bypass=True, record=False, at=addressing(HEAD_MAJOR, cfg.n_kv_heads),
-                    items_cap=eng._items_cap)
-            producer = producers[plan, eng._items_cap]
+                    items_cap=eng.launcher.items_cap)
+            producer = producers[plan, eng.launcher.items_cap]
 
             def launch():
-                eng._run_producer(producer, eng._reduce_v2, "nope", layers, st, p, eng._k_cur, eng._v_cur, eng._out)
+                eng.launcher.run_producer(producer, eng.launcher.reduce_v2, "nope", layers, st, p, eng.launcher.k_cur, eng.launcher.v_cur, eng.launcher.out)
 
-            eng._out.fill(float("nan"))  # the variant must write every output itself
+            eng.launcher.out.fill(float("nan"))  # the variant must write every output itself
             t0 = time.perf_counter()
             launch()
             ti.sync()
             row["first_launch_s"] = round(time.perf_counter() - t0, 2)  # the compile, at the first depth
-            out = eng._out.to_numpy()
+            out = eng.launcher.out.to_numpy()
             row["rel_err"] = float(relative_error(out, ref)) if np.isfinite(out).all() else float("nan")
             row["bits_as_default"] = bool(np.array_equal(out, default)) if default is not None else True
             default = out if default is None else default
@@ -169,7 +170,7 @@ def tiles(args, rows) -> None:
 
             row["wall_us"] = median_s(burst, args.repeats) / 20 * 1e6
             if args.graph:
-                row["graph_us"] = graph_repeat_us(recorded_dispatches(eng, launch), args.graph, args.repeats)
+                row["graph_us"] = graph_repeat_us(recorded_dispatches(eng.launcher, launch), args.graph, args.repeats)
             row["workgroups"] = eng.split_geometry(depth, 1)[0]
             emit(row, rows)
         os.environ.pop("MUSER_GPU_TARGET_WORKGROUPS", None)
@@ -186,21 +187,19 @@ def step(args, rows) -> None:
     q, k, v = random_token(cfg, rng)
     p = eng.position
     recorded = []
-    replay = eng._replay
-    eng._replay = lambda d, external=(): (recorded.append(list(d)), replay(d, external))[1]
+    replay = eng.launcher.graphs.run
+    eng.launcher.graphs.run = lambda d, external=(): (recorded.append(list(d)), replay(d, external))[1]
 
     def one_step():
         if eng.position > p:
             eng.rewind(p)
         eng.step(q, k, v)
 
-    row = {"what": "step breakdown", "arch": eng.arch, "depth": args.depth, "transfer": eng._transfer.path}
+    row = {"what": "step breakdown", "arch": eng.arch, "depth": args.depth, "transfer": eng.launcher.transfer.path}
     row["step_us"] = median_s(one_step, args.repeats, warmup=3) * 1e6
-    out_fast = eng._out.to_numpy()
+    out_fast = eng.launcher.out.to_numpy()
     dispatches = recorded[-1]
-    row["checks_us"] = median_s(lambda: (eng._check_array("q", q, q.shape), eng._check_array("k", k, k.shape),
-                                         eng._check_array("v", v, v.shape), eng._check_kv_range("k", k),
-                                         eng._check_kv_range("v", v)), args.repeats) * 1e6
+    row["checks_us"] = median_s(lambda: inputs.step_token(eng.cfg, q, k, v), args.repeats) * 1e6
 
     def graph_only():
         replay(dispatches)
@@ -221,15 +220,15 @@ def step(args, rows) -> None:
     # each dispatch of the graph launched on its own, then synchronised: which kernel the time is in
     row["dispatch_us"] = {f"{i}:{getattr(kernel, '__name__', 'kernel')}": median_s(
         lambda: (kernel(*a), ti.sync()), args.repeats) * 1e6 for i, (kernel, a) in enumerate(dispatches)}
-    row["upload_q_taichi_us"] = median_s(lambda: (eng._q.from_numpy(q), ti.sync()), args.repeats) * 1e6
-    row["download_taichi_us"] = median_s(lambda: eng._out.to_numpy(), args.repeats) * 1e6
+    row["upload_q_taichi_us"] = median_s(lambda: (eng.launcher.q.from_numpy(q), ti.sync()), args.repeats) * 1e6
+    row["download_taichi_us"] = median_s(lambda: eng.launcher.out.to_numpy(), args.repeats) * 1e6
     # the engine's own copies (transfer.py, row["transfer"]: the driver on CUDA, a copy kernel elsewhere)
-    row["upload_q_transfer_us"] = median_s(lambda: eng._transfer.upload(eng._q, q), args.repeats) * 1e6
-    row["download_transfer_us"] = median_s(lambda: eng._transfer.download(eng._out, q.shape), args.repeats) * 1e6
-    if eng._transfer.path == "cuMemcpy":
-        eng._transfer._driver = None  # the same step through Taichi's copies
+    row["upload_q_transfer_us"] = median_s(lambda: eng.launcher.transfer.upload(eng.launcher.q, q), args.repeats) * 1e6
+    row["download_transfer_us"] = median_s(lambda: eng.launcher.transfer.download(eng.launcher.out, q.shape), args.repeats) * 1e6
+    if eng.launcher.transfer.path == "cuMemcpy":
+        eng.launcher.transfer._driver = None  # the same step through Taichi's copies
         row["step_taichi_copies_us"] = median_s(one_step, args.repeats, warmup=2) * 1e6
-        row["same_output_both_paths"] = bool(np.array_equal(eng._out.to_numpy(), out_fast))
+        row["same_output_both_paths"] = bool(np.array_equal(eng.launcher.out.to_numpy(), out_fast))
     row["launches"] = eng.launches_last_step
     emit(row, rows)
 
@@ -488,17 +487,17 @@ def paths(args, rows) -> None:
         q, k, v = random_token(cfg, rng)
         dev = device_token(q, k, v)
         out = ti.ndarray(ti.f32, q.shape)
-        one = eng._step_kernel
+        one = eng.launcher.step_kernel
         calls = {"step": lambda: (eng.step(q, k, v), ti.sync()),
                  "step_device": lambda: (eng.step_device(*dev, out), ti.sync())}
         times, launches, runs = {}, {}, {}
-        graphed = eng._replay
+        graphed = eng.launcher.graphs.run
         direct = lambda dispatches, external=(): [kernel(*a) for kernel, a in dispatches]  # noqa: E731
         for _ in range(args.rounds):
             for path in chosen:
                 _, one_dispatch, from_python = PATHS[path]
-                eng._step_kernel = one if one_dispatch else None
-                eng._replay = direct if from_python else graphed
+                eng.launcher.step_kernel = one if one_dispatch else None
+                eng.launcher.graphs.run = direct if from_python else graphed
                 for way, call in calls.items():
                     eng.rewind(base)
                     in_run[0] = 0.0
@@ -506,7 +505,7 @@ def paths(args, rows) -> None:
                                                                             settle=ti.sync))
                     runs.setdefault((path, way), []).append(in_run[0] / (args.repeats + 2))
                     launches[path, way] = eng.launches_last_step
-        eng._step_kernel, eng._replay = one, graphed
+        eng.launcher.step_kernel, eng.launcher.graphs.run = one, graphed
         for (path, way), ts in times.items():
             emit({"what": "step path", "arch": eng.arch, "depth": depth, "path": path, "way": way,
                   "median_us": statistics.median(ts) * 1e6, "round_medians_us": [t * 1e6 for t in ts],
@@ -560,14 +559,14 @@ def stephost(args, rows) -> None:
     row["engine_replay_run_us"] = host_time(lambda: compiled.run(flat_list))  # the engine's own entry
     # the engine's Python share of step_device: the same calls with the graph run and the flags read stubbed
     # out (nothing reaches the device, so each call is a fresh token's bookkeeping; rewound every time)
-    base, download = eng.position, eng._transfer.download
+    base, download = eng.position, eng.launcher.transfer.download
     replay._Compiled.run = lambda self, flat: None
-    eng._transfer.download = lambda dev, shape: np.zeros(shape, np.int32)
+    eng.launcher.transfer.download = lambda dev, shape: np.zeros(shape, np.int32)
     try:
         row["engine_python_us"] = host_time(lambda: (eng.step_device(*dev, out), eng.rewind(base)))
         row["rewind_us"] = host_time(lambda: eng.rewind(base))
     finally:
-        replay._Compiled.run, eng._transfer.download = run, download
+        replay._Compiled.run, eng.launcher.transfer.download = run, download
     emit(row, rows)
 
 

@@ -29,7 +29,7 @@ PINNED_GGML_TAG = "v0.15.3"
 PINNED_GGML_COMMIT = "eced84c86f8b012c752c016f7fe789adea168e1e"
 PIN_PLACEHOLDER = "UNSET"
 
-_REPO = pathlib.Path(__file__).resolve().parent.parent
+_REPO = pathlib.Path(__file__).resolve().parents[2]
 METAL_PINNED_DIR = _REPO / "metal_pinned"
 DEFAULT_DYLIB = METAL_PINNED_DIR / "build" / "libmuser_metal_pinned.dylib"
 DEFAULT_METALLIB = METAL_PINNED_DIR / "build" / f"ggml-{PINNED_GGML_TAG}.metallib"
@@ -315,7 +315,7 @@ def load(dylib=None, metallib=None, pin=None) -> PinnedMetal:
     overridable with MUSER_METAL_PINNED_DYLIB / _METALLIB / _PIN.  Raises MetalBridgeError with the reason."""
     if sys.platform != "darwin":
         raise MetalBridgeError(f"the pinned Metal bridge needs macOS with Metal; this is {sys.platform} "
-                               "(off macOS the pinned rung is ggml's flash_attn_ext, muser_ti.ggml_flash_attn)")
+                               "(off macOS the pinned rung is ggml's flash_attn_ext, muser_ti.pinned.ggml)")
     dylib_p = _path(dylib, ENV_DYLIB, DEFAULT_DYLIB)
     metallib_p = _path(metallib, ENV_METALLIB, DEFAULT_METALLIB)
     pin_p = _path(pin, ENV_PIN, DEFAULT_PIN)

@@ -41,8 +41,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .config import NOPE, SWA, Geometry
-from .planes import PlaneState, plane_shape
+from ..config import NOPE, SWA, Geometry
+from ..planes import PlaneState, plane_shape
 
 ALIGN = 64  # bytes: every allocation starts on a 64-byte boundary (the bridge needs 8 for K/V, 16 for Q/out)
 
@@ -143,6 +143,29 @@ class MetalBacking:
 
     def runner(self, cfg: Geometry) -> "BridgeRunner":
         return BridgeRunner(self, cfg)
+
+
+MIRRORS = (None, "host")
+
+
+def backing_for(arch: str, pinned_loaded: bool, mirror: str | None):
+    """Where an engine's mirror planes live: bridge buffers on Metal with the rung loaded (always: the bridge
+    cannot read Taichi's Metal planes), numpy for mirror="host" (to test the bookkeeping off macOS), else
+    None (no mirror).  Memory: a mirror holds every plane a second time (the module's docstring says how
+    much for Glimmer); on Metal it cannot be avoided, since Taichi cannot bind the bridge's buffers."""
+    from ..errors import EngineError, PinnedUnavailable
+
+    if arch == "metal" and pinned_loaded:
+        if mirror == "host":
+            raise EngineError("mirror='host': on Metal the pinned rung reads bridge buffers, so the engine keeps its "
+                              "mirror there; pass mirror=None")
+        from . import metal_bridge
+
+        try:
+            return MetalBacking(metal_bridge.load())
+        except metal_bridge.MetalBridgeError as exc:
+            raise PinnedUnavailable(f"the pinned Metal bridge verified but did not open: {exc}") from None
+    return HostBacking() if mirror == "host" else None
 
 
 # ---- the mirror -------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ Off macOS the pinned library is ggml-python 0.0.45 (ggml v0.15.3), version-check
 halves for Glimmer's token-major SWA ring (n_kv_heads * head_dim), 128 for the head-major NoPE plane.
 It runs on the CPU, so it can only read planes that live in host memory: on the CPU backend it is
 the rung; on a GPU backend off macOS the rung is not loaded and the ladder falls to the project's
-kernels.  On macOS the rung is the Metal bridge in metal_pinned/ (``muser_ti.metal_bridge``), reading
-mirror planes the engine keeps in bridge buffers (``muser_ti.plane_mirror``; never run, no macOS here).
+kernels.  On macOS the rung is the Metal bridge in metal_pinned/ (``muser_ti.pinned.metal_bridge``), reading
+mirror planes the engine keeps in bridge buffers (``muser_ti.pinned.mirror``; never run, no macOS here).
 
 Two graphs (§16.8):
 * teacher: the vec kernel reads the ring where it lies: an unwrapped span directly, a full wrapped
@@ -25,7 +25,7 @@ import platform
 
 import numpy as np
 
-from .planes import PlaneState
+from ..planes import PlaneState
 
 LLAMA_KV_PAD = 256  # llama.cpp pads the attended cell count to 256 (GGML_PAD(used, 256))
 
@@ -49,7 +49,7 @@ def pinned_status(arch: str) -> tuple[bool, str]:
         # engine keeps mirror planes in bridge buffers and the vec routes read those (plane_mirror.py:
         # every plane is then held twice).  Never run: there is no macOS machine here.
         return True, f"{why}; the vec routes read bridge-owned mirror planes (every plane held twice)"
-    from .ggml_flash_attn import pinned_status as ggml_status
+    from .ggml import pinned_status as ggml_status
 
     ok, why = ggml_status()
     if not ok:

@@ -1,0 +1,240 @@
+"""How a step's kernels go out: the built kernels, the split geometry, the partials scratch, the token's
+arrays on the device, graph record and replay, and the one-dispatch step.
+
+Every layer on one route shares one launch sequence (store, producer, reducer), so a token costs the
+same few launches whatever the layer count.  On a GPU a step's dispatches are recorded and replayed as
+one compiled ``ti.graph`` (replay.py); on CUDA and Vulkan a step with both layer classes on their own
+routes that grows no plane is one dispatch instead (kernels/step_gpu.py), gated on the token scan.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import taichi as ti
+
+from . import backend, inputs, ladder
+from .config import NOPE, SWA, Geometry
+from .errors import EngineError
+from .kernels.common import MAX_WORKGROUPS, on_gpu
+from .kernels.interleaved import build_interleaved
+from .kernels.splitk import (build_splitk, gpu_items_cap, gpu_split_geometry, gpu_target_workgroups,
+                             gpu_workgroups_per_pair, splitk_geometry)
+from .kernels.step_gpu import ONE_DISPATCH_ARCHS, build_step_kernel
+from .kernels.stores import NEVER_STAMPED, TOKEN_FLAGS, build_token_scan, build_unpack
+from .kv_cache import KVCache
+from .planes import PlaneState, visible_span, window_of
+from .replay import GraphReplay
+from .transfer import Transfer
+
+
+class Launcher:
+    """An engine's kernels and launch plumbing over its cache; ``vec``: the pinned rung's side (or None)."""
+
+    def __init__(self, cfg: Geometry, cache: KVCache, vec=None):
+        self.cfg, self.cache, self.vec = cfg, cache, vec
+        self.gpu = gpu = on_gpu()
+        D, G, KV, H, L = cfg.head_dim, cfg.heads_per_kv, cfg.n_kv_heads, cfg.n_heads, cfg.n_layers
+        # the split's workgroup target, fixed for the engine: its producers' loop bound follows from it
+        self.target = gpu_target_workgroups() if gpu else 0
+        self.items_cap = gpu_items_cap(self.target, L * KV) if gpu else 0
+        caps = dict(items_cap=self.items_cap, layers_cap=L if gpu else 0)  # constant loop bounds on a GPU
+        self.splitk, self.reduce_f32, self.reduce_f16 = build_splitk(D, G, KV, H, gpu, **caps)
+        self.interleaved, self.reduce_v2 = build_interleaved(D, G, KV, H, gpu, **caps)
+        # (class, group size) -> [n_group, H, workgroups, 2 + D] scratch: one per class, as the one-dispatch
+        # step runs both producers before either reducer
+        self._partials: dict[tuple[str, int], object] = {}
+        self._no_visits = ti.ndarray(ti.i32, (1, 1))
+        self.shapes = inputs.token_shapes(cfg)
+        self.out = ti.ndarray(ti.f32, self.shapes["out"])
+        self.q, self.k_cur, self.v_cur = (ti.ndarray(ti.f32, self.shapes[n]) for n in ("q", "k", "v"))
+        self.q_dev = self.q  # the queries the producers read this step (step_device's own array, or self.q)
+        self.scan = build_token_scan(H, KV, D)
+        # the scan's flags; the one-dispatch step keeps its layer table after them (kernels/step_gpu.py)
+        self.flags = ti.ndarray(ti.i32, (TOKEN_FLAGS + L,))
+        self.flags.fill(0)
+        self.scans = 0  # the stamp of the last scan (build_token_scan says why)
+        self.transfer = Transfer()  # per-token copies: the CUDA driver's memcpy where it can (transfer.py)
+        # Where host copies go through Taichi (Vulkan, Metal), each synchronises the device; there q, k and v
+        # go up packed, as the host-array argument of the kernel that unpacks them, which needs no wait
+        self.unpack = build_unpack(H, KV, D) if gpu and self.transfer.path == "taichi" else None
+        self.graphs = GraphReplay()  # GPU: compiled step graphs by dispatch structure
+        self.recorded = None  # the step's dispatches while a GPU step is being recorded
+        self.launches = 0  # kernel launches of the last step (does not grow with the layer count)
+        self.step_kernel = None  # CUDA, Vulkan: a step on the default routes is one dispatch
+        if gpu and backend.active() in ONE_DISPATCH_ARCHS and SWA in cache.planes and NOPE in cache.planes:
+            nope, swa = cache.planes[NOPE].layers, cache.planes[SWA].layers
+            self.step_kernel = build_step_kernel(D, G, KV, H, len(nope), len(swa), cfg.attention_scale,
+                                                 window_of(cfg, NOPE), window_of(cfg, SWA), self.target)
+            table = np.zeros(TOKEN_FLAGS + L, np.int32)  # its layer table, after the flags: NoPE, then SWA layers
+            table[TOKEN_FLAGS:] = nope + swa
+            self.flags.from_numpy(table)
+            # and partials for the most workgroups that split can give, made once
+            self.step_partials = [self.partials_for(kind, len(layers), gpu_workgroups_per_pair(len(layers) * KV,
+                                                                                               self.target))
+                                  for kind, layers in ((NOPE, nope), (SWA, swa))]
+
+    # ---- split geometry and scratch ------------------------------------------------------------
+    def split_geometry(self, visible: int, n_group: int) -> tuple[int, int]:
+        """(workgroups, simdgroups) of a producer launch: the chapter's rule on the CPU; on a GPU the same
+        ownership with more workgroups so one launch fills the card (kernels/splitk.py says why)."""
+        if self.gpu:
+            return gpu_split_geometry(visible, n_group * self.cfg.n_kv_heads, self.target)
+        return splitk_geometry(visible)
+
+    def partials_for(self, kind: str, n_group: int, nwg: int):
+        """Partials scratch for a group, grown (to a power of two workgroups) when a launch needs more."""
+        buf = self._partials.get((kind, n_group))
+        if buf is None or buf.shape[2] < nwg:
+            cap = max(MAX_WORKGROUPS, 1 << (nwg - 1).bit_length())
+            g = self.cfg
+            buf = self._partials[kind, n_group] = ti.ndarray(ti.f32, (n_group, g.n_heads, cap, 2 + g.head_dim))
+        return buf
+
+    def producer_split(self, kind: str, n_layers: int, p: int):
+        """(partials scratch, workgroups, simdgroups) of a producer launch over n_layers of a class at ``p``."""
+        _, visible = visible_span(self.cfg, kind, p)
+        nwg, nsg = self.split_geometry(visible, n_layers)
+        assert not self.gpu or n_layers * self.cfg.n_kv_heads * nwg <= self.items_cap  # the producers' bound
+        return self.partials_for(kind, n_layers, nwg), nwg, nsg
+
+    # ---- launching -----------------------------------------------------------------------------
+    def launch(self, kernel, *args) -> None:
+        self.launches += 1
+        if self.recorded is not None:
+            self.recorded.append((kernel, args))
+        else:
+            kernel(*args)
+
+    def run_producer(self, producer, reduce, kind: str, layers: tuple[int, ...], st: PlaneState, p: int, k_dev,
+                     v_dev, out_dev) -> None:
+        grp = self.cache.group(layers)
+        partials, nwg, nsg = self.producer_split(kind, len(layers), p)
+        self.launch(producer, self.q_dev, k_dev, v_dev, self.cache.k[kind], self.cache.v[kind], partials,
+                    self._no_visits, grp.layers_dev, grp.slots_dev, len(layers), p, window_of(self.cfg, kind),
+                    st.capacity, st.origin_logical, st.origin_physical, nwg, nsg, self.cfg.attention_scale)
+        self.launch(reduce, partials, out_dev, grp.layers_dev, len(layers), nwg)
+
+    def begin(self) -> None:
+        """A step's launches start: counted from 0, and recorded for one graph on a GPU."""
+        self.launches = 0
+        self.recorded = [] if self.gpu else None
+
+    def finish(self, external=()) -> None:
+        """Replay the step's recorded dispatches as one compiled ti.graph (replay.py: keys, arguments)."""
+        if self.recorded is not None:
+            recorded, self.recorded = self.recorded, None
+            self.graphs.run(recorded, external)
+
+    def one_dispatch_fits(self, new_states: dict[str, PlaneState], routes, forced: bool) -> bool:
+        """The step can be the one dispatch: both classes on their default routes, device planes, no growth."""
+        cache = self.cache
+        if self.step_kernel is None or cache.mirror is not None or cache.serving is not None or forced:
+            return False
+        g = self.cfg
+        if routes[g.nope_layers[0]] != ladder.INTERLEAVED or routes[g.swa_layers[0]] != ladder.SPLITK:
+            return False  # without forced layers a class's layers share its route (Engine._plan)
+        return all(st.capacity == cache.planes[kind].state.capacity for kind, st in new_states.items())
+
+    def one_dispatch(self, p: int, new_states: dict[str, PlaneState], k_dev, v_dev, out_dev, gated: bool) -> None:
+        """The step as one dispatch (kernels/step_gpu.py): scan, stores, both producers, both reducers.
+        gated: the writes ask the scan's flags (a fresh stamp); else the host has checked the token and the
+        stamp is one no flag ever holds, so nothing the scan finds can hold a write back."""
+        if gated:
+            self.scans += 1
+        stamp = self.scans if gated else NEVER_STAMPED
+        n, s = new_states[NOPE], new_states[SWA]  # capacities: the planes' own (no plane grows in this step)
+        part_nope, part_swa = self.step_partials
+        c = self.cache
+        self.launch(self.step_kernel, self.q_dev, k_dev, v_dev, out_dev, self.flags, stamp, p,
+                    c.k[NOPE], c.v[NOPE], part_nope, n.origin_logical, n.origin_physical,
+                    c.k[SWA], c.v[SWA], part_swa, s.origin_logical, s.origin_physical)
+
+    def routes(self, p: int, new_states: dict[str, PlaneState], routes, q, k_dev, v_dev, out, out_dev):
+        """Each route's dispatches (the graph route); returns (layers on a pinned route, their host output)."""
+        by_route: dict[str, list[int]] = {}
+        for layer, r in enumerate(routes):
+            by_route.setdefault(r, []).append(layer)
+        vec_layers = [layer for r in ladder.PINNED_ROUTES for layer in by_route.get(r, [])]
+        vec_out = out  # GPU (Metal): the bridge's results land on the host, merged into the output after
+        if out is None and vec_layers:
+            vec_out = np.empty_like(q)
+        cache = self.cache
+        if ladder.INTERLEAVED in by_route:
+            # first: the NoPE layers need no store launch ahead of them (theirs is fused), so on a GPU the
+            # device starts one dispatch into the step's graph while the host issues the SWA dispatches
+            self.run_producer(self.interleaved, self.reduce_v2, NOPE, tuple(by_route[ladder.INTERLEAVED]),
+                              new_states[NOPE], p, k_dev, v_dev, out_dev)
+        if SWA in cache.planes:
+            grp = cache.group(cache.planes[SWA].layers)
+            # kv_store_f16: every SWA layer stores first; splitk reads the row back from the plane
+            self.launch(cache.stores[SWA].store_token, k_dev, v_dev, cache.k[SWA], cache.v[SWA], grp.layers_dev,
+                        grp.slots_dev, len(grp.layers), new_states[SWA].physical(p))
+        if cache.serving is not None:
+            self.vec.stage_serving(p, new_states)
+        if ladder.LLAMA_VEC_SWA in by_route:
+            self.launches += 1
+            self.vec.run(SWA, tuple(by_route[ladder.LLAMA_VEC_SWA]), new_states[SWA], p, q, vec_out)
+        if ladder.LLAMA_VEC_NOPE in by_route:
+            layers = tuple(by_route[ladder.LLAMA_VEC_NOPE])
+            grp, st = cache.group(layers), new_states[NOPE]
+            # kv_store_batch_f16, then the pinned kernel reads the head-major plane (store first, no bypass)
+            self.launch(cache.stores[NOPE].store_token, k_dev, v_dev, cache.k[NOPE], cache.v[NOPE], grp.layers_dev,
+                        grp.slots_dev, len(layers), st.physical(p))
+            self.launches += 1
+            self.vec.run(NOPE, layers, st, p, q, vec_out)
+        if ladder.SPLITK in by_route:
+            self.run_producer(self.splitk, self.reduce_f32, SWA, tuple(by_route[ladder.SPLITK]), new_states[SWA], p,
+                              k_dev, v_dev, out_dev)
+        return vec_layers, vec_out
+
+    # ---- the token's arrays ---------------------------------------------------------------------
+    def upload(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple:
+        """A checked host token to the kernels: (k_dev, v_dev), the queries in q_dev.  On the CPU a numpy
+        array is passed zero-copy; on a GPU it is copied into the engine's arrays."""
+        if not self.gpu:
+            self.q_dev = q
+            return k, v
+        if self.unpack is not None:
+            # launched now, ahead of the step's graph on the same queue (a graph binds device arrays only)
+            self.launches += 1
+            self.unpack(np.concatenate((q, k, v), axis=1), self.q, self.k_cur, self.v_cur)
+        else:
+            for dev, a in ((self.q, q), (self.k_cur, k), (self.v_cur, v)):
+                self.transfer.upload(dev, a)
+        self.q_dev = self.q
+        return self.k_cur, self.v_cur
+
+    def host_or_dev(self, a: np.ndarray):
+        """A host array for a kernel: zero-copy on the CPU, uploaded once on a GPU."""
+        if not self.gpu:
+            return a
+        dev = ti.ndarray(ti.f32, a.shape)
+        dev.from_numpy(a)
+        return dev
+
+    def download_out(self) -> np.ndarray:
+        return self.transfer.download(self.out, self.shapes["out"])
+
+    def download_token(self, q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return tuple(self.transfer.download(a, self.shapes[name]) for name, a in (("q", q), ("k", k), ("v", v)))
+
+    def scan_device_token(self, q, k, v) -> None:
+        """Refuse a device token step() would refuse: flags from one kernel, then, only when one is set,
+        the host check on a copy, which names the first bad value."""
+        self.scans += 1
+        if self.gpu:  # through a one-dispatch graph: Taichi's Python launch path costs more
+            self.graphs.run([(self.scan, (q, k, v, self.flags, self.scans))], (q, k, v))
+        else:
+            self.scan(q, k, v, self.flags, self.scans)
+        self.refuse_if_flagged(q, k, v)
+
+    def refuse_if_flagged(self, q, k, v) -> None:
+        """Raise, naming the first bad value, if the last scan (stamp self.scans) flagged the token."""
+        flags = self.transfer.download(self.flags, self.flags.shape)[:TOKEN_FLAGS] == self.scans
+        if flags.any():
+            inputs.step_token(self.cfg, *self.download_token(q, k, v))
+            raise EngineError(f"step_device: the device scan flagged the token ({flags.tolist()}) but its host "
+                              f"copy passes the checks")  # a scan that disagrees with the host is a bug: say so
+
+
+__all__ = ["Launcher"]

@@ -1,0 +1,24 @@
+"""The pinned llama rung (chapter §16.5.2): llama.cpp's own vec kernel, a named version checked at load.
+
+Off macOS it is ggml-python 0.0.45's ``ggml_flash_attn_ext`` (ggml v0.15.3) reading the planes in place
+(ggml.py); on macOS the Metal bridge of metal_pinned/ over mirror planes (metal_bridge.py, mirror.py; never
+run).  llama_rung.py holds the teacher graph's ring view and the serving graph's cell-order cache; vec.py
+the engine's side of a vec step.  docs/pinned-rung.md tells the whole story.
+"""
+
+from __future__ import annotations
+
+from .. import backend
+from . import llama_rung
+
+
+def pinned_status(arch: str = "auto") -> tuple[bool, str]:
+    """(loaded, description): can llama.cpp's vec kernel read planes on ``arch`` in this process?
+
+    Without it the ladder falls to the project's own kernels, as §16.0 says it does when the
+    metallib is missing.
+    """
+    return llama_rung.pinned_status(backend.resolve_arch(arch))
+
+
+__all__ = ["pinned_status"]
