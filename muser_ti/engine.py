@@ -104,7 +104,7 @@ class Engine:
 
     @property
     def one_dispatch_step(self) -> bool:
-        """True where a step on the default routes runs as one dispatch (CUDA, Vulkan; kernels/step_gpu.py)."""
+        """True where a step on the default routes runs as one dispatch (CUDA, Vulkan; kernels/one_dispatch.py)."""
         return self.launcher.step_kernel is not None
 
     @property

@@ -4,7 +4,7 @@ arrays on the device, graph record and replay, and the one-dispatch step.
 Every layer on one route shares one launch sequence (store, producer, reducer), so a token costs the
 same few launches whatever the layer count.  On a GPU a step's dispatches are recorded and replayed as
 one compiled ``ti.graph`` (replay.py); on CUDA and Vulkan a step with both layer classes on their own
-routes that grows no plane is one dispatch instead (kernels/step_gpu.py), gated on the token scan.
+routes that grows no plane is one dispatch instead (kernels/one_dispatch.py), gated on the token scan.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .kernels.common import MAX_WORKGROUPS, on_gpu
 from .kernels.interleaved import build_interleaved
 from .kernels.splitk import (build_splitk, gpu_items_cap, gpu_split_geometry, gpu_target_workgroups,
                              gpu_workgroups_per_pair, splitk_geometry)
-from .kernels.step_gpu import ONE_DISPATCH_ARCHS, build_step_kernel
+from .kernels.one_dispatch import ONE_DISPATCH_ARCHS, build_step_kernel
 from .kernels.stores import NEVER_STAMPED, TOKEN_FLAGS, build_token_scan, build_unpack
 from .kv_cache import KVCache
 from .planes import PlaneState, visible_span, window_of
@@ -49,7 +49,7 @@ class Launcher:
         self.q, self.k_cur, self.v_cur = (ti.ndarray(ti.f32, self.shapes[n]) for n in ("q", "k", "v"))
         self.q_dev = self.q  # the queries the producers read this step (step_device's own array, or self.q)
         self.scan = build_token_scan(H, KV, D)
-        # the scan's flags; the one-dispatch step keeps its layer table after them (kernels/step_gpu.py)
+        # the scan's flags; the one-dispatch step keeps its layer table after them (kernels/one_dispatch.py)
         self.flags = ti.ndarray(ti.i32, (TOKEN_FLAGS + L,))
         self.flags.fill(0)
         self.scans = 0  # the stamp of the last scan (build_token_scan says why)
@@ -136,7 +136,7 @@ class Launcher:
         return all(st.capacity == cache.planes[kind].state.capacity for kind, st in new_states.items())
 
     def one_dispatch(self, p: int, new_states: dict[str, PlaneState], k_dev, v_dev, out_dev, gated: bool) -> None:
-        """The step as one dispatch (kernels/step_gpu.py): scan, stores, both producers, both reducers.
+        """The step as one dispatch (kernels/one_dispatch.py): scan, stores, both producers, both reducers.
         gated: the writes ask the scan's flags (a fresh stamp); else the host has checked the token and the
         stamp is one no flag ever holds, so nothing the scan finds can hold a write back."""
         if gated:

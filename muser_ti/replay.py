@@ -1,5 +1,5 @@
 """A GPU step's dispatches replayed as one compiled ``ti.graph``: one host call instead of a Python launch
-per kernel (~60 us each on CUDA, docs/PERF.md run 10).
+per kernel (tens of microseconds each, docs/PERF.md).
 
 A graph is compiled once per dispatch structure: the kernels in order, which arguments are arrays, and
 which arrays are the same one.  Scalars (position, origins, split geometry) are graph arguments, so one
@@ -7,13 +7,12 @@ graph serves every token until a plane is reallocated or the route mix changes. 
 hands in (``external``: step_device's q, k, v and out) may be new objects every token: they are keyed
 by their place among the caller's arrays, dtype and rank (what a graph argument fixes), not by
 identity, so a caller that passes the same array twice gets a graph of its own.  An array bound by
-several dispatches is one graph argument: Taichi converts every argument of a run on every run (~2-4 us
-an array, ~1 us a scalar on the H200's host, run 13).
+several dispatches is one graph argument: Taichi converts every argument of a run on every run
+(microseconds each).
 
-This sits inside the host's share of every short step (a 52-layer step at 2,048 keys has ~116 us of
-it, run 15), so the per-run work is kept to a key made in one comprehension, one dict, and Taichi's
-C++ entry, ``jit_run``, called directly: ``Graph.run`` only flattens the same dict again and copies the
-compile config (70 against 64 us on the H200's host in run 16, ~11 us more in run 13).  ``jit_run`` is
+This sits inside the host's share of every short step, so the per-run work is kept to a key made in
+one comprehension, one dict, and Taichi's C++ entry, ``jit_run``, called directly: ``Graph.run`` only
+flattens the same dict again and copies the compile config (a few microseconds a run).  ``jit_run`` is
 Taichi 1.7.4's (the version pinned in pyproject.toml); where a Taichi lacks it, ``Graph.run`` runs
 instead.
 """

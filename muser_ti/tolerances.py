@@ -15,7 +15,7 @@ F32_ROUTE_RTOL = 1e-5
 # every score is a 64-256-term f32 dot of terms ~8 that cancel to a sum of order 10, so its rounding is
 # set by the terms, not by the sum (~sqrt(D) * 8 * 2^-24 per score), and it moves the softmax weights of
 # V rows 16,000 large.  Observed on one session hypothesis found (head_dim 256, one KV head per query
-# head, a 31-row window, seed 800; docs/PERF.md run 10): 1.11e-5 on the H200's Vulkan, 1.02e-5 on
+# head, a 31-row window, seed 800): 1.11e-5 on NVIDIA's Vulkan, 1.02e-5 on
 # lavapipe and 1.01e-5 on the CPU route, every one past 1e-5.  5e-5 keeps a 20x margin against an
 # indexing or merge bug (errors of 1e-3 and up).
 F32_ROUTE_RTOL_LARGE = 5e-5

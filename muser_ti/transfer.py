@@ -2,14 +2,14 @@
 
 Taichi's ``Ndarray.from_numpy`` / ``to_numpy`` each launch a copy kernel over a temporary device copy
 of the numpy array and synchronise the device; a step made four of them (docs/PERF.md measures what
-that cost on the H200).  On CUDA this module copies with the driver's ``cuMemcpyHtoD`` / ``cuMemcpyDtoH``
+that cost).  On CUDA this module copies with the driver's ``cuMemcpyHtoD`` / ``cuMemcpyDtoH``
 straight into the ndarray's own allocation: Taichi launches every kernel on the legacy default stream,
 on which these synchronous copies are ordered after the kernels before them and before the kernels
 after them.  Where the driver or the pointer is not available (Vulkan, Metal, the CPU), it copies with
 a Taichi kernel that takes the numpy array as an argument: Taichi stages such an array when it
 launches the kernel and, for one the kernel writes, waits and reads it back before the call returns,
 so no further synchronisation is needed (``from_numpy``/``to_numpy`` add one, an idle device wait that
-cost 0.6-1.1 ms on the H200's Vulkan, docs/PERF.md run 7).
+cost up to a millisecond on NVIDIA's Vulkan driver, docs/PERF.md).
 """
 
 import ctypes

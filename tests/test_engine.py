@@ -96,7 +96,7 @@ def test_launches_per_token_do_not_grow_with_layers(arch):
         s.prefill(80)
         s.step(check=False)
         counts.append(s.eng.launches_last_step)
-    # CUDA, Vulkan: the step is one dispatch (kernels/step_gpu.py); elsewhere store + splitk producer + reduce,
+    # CUDA, Vulkan: the step is one dispatch (kernels/one_dispatch.py); elsewhere store + splitk producer + reduce,
     # interleaved producer (fused store) + reduce_v2.  Where host copies go through Taichi (Vulkan, Metal)
     # one more: the kernel that takes q/k/v up packed (engine.py says why).  Written from the arch, not
     # from the engine's own attributes, so an engine that lost its one dispatch fails here

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from muser_ti.kernels.producer_gpu import (GPU_PRODUCER_THREADS, SHARED_BUDGET_BYTES, gpu_tile_plan, tile_overrides,
-                                           udiv, umod)
 from muser_ti.kernels.producer import tile_plan
-from muser_ti.kernels.producer_warp import CHUNK_HALVES, WARPS, warp_tile_plan
+from muser_ti.kernels.producer.block_tile import GPU_PRODUCER_THREADS, gpu_tile_plan
+from muser_ti.kernels.producer.gpu_common import SHARED_BUDGET_BYTES, tile_choice, udiv, umod
+from muser_ti.kernels.producer.warp_tile import CHUNK_HALVES, WARPS, warp_tile_plan
 from muser_ti.kernels.splitk import (GPU_MAX_WORKGROUPS, GPU_TARGET_WORKGROUPS, gpu_items_cap, gpu_split_geometry,
                                     gpu_workgroups_per_pair, splitk_geometry)
 
@@ -40,15 +40,15 @@ def test_plan_covers_every_score_and_output_within_budget(backend_name, budget, 
     assert p.R * p.DC == p.VR * p.D and (p.R * p.DC) % T == 0 and p.D % p.DC == 0 and p.R % p.VR == 0
     assert p.BUF >= max(p.R * (p.DC + 1), p.VR * (p.D + 1)) and (p.RS == 1 or p.BUF >= p.G * p.D)
     assert p.R <= 256 and p.RG & (p.RG - 1) == 0  # tiles of a power-of-two row groups
-    assert (p.R * p.DC // T) % p.LG == 0 and p.LG <= 16  # every chunk load issued, in whole groups
+    assert (p.R * p.DC) % (2 * T) == 0  # every thread moves whole words of a chunk
 
 
 def test_glimmer_plan_is_the_measured_one():
-    """The shape docs/PERF.md measured on the H200 (run 8) for 16 heads per KV head, d 128: the same on
-    every backend, since it fits Metal's 32 KiB too."""
+    """The block tile docs/PERF.md measured for 16 heads per KV head, d 128: the same on every backend,
+    since it fits Metal's 32 KiB too."""
     for budget in SHARED_BUDGET_BYTES.values():
         p = gpu_tile_plan(16, 128, budget)
-        assert (p.T, p.HB, p.RB, p.R, p.DC, p.VR, p.VH, p.VD, p.RS, p.PF) == (128, 4, 4, 128, 16, 16, 4, 8, 2, 1)
+        assert (p.T, p.HB, p.RB, p.R, p.DC, p.VR, p.VH, p.VD, p.RS) == (128, 4, 4, 128, 16, 16, 4, 8, 2)
         assert p.shared_bytes == 28352
 
 
@@ -57,23 +57,20 @@ def test_plan_refuses_groups_wider_than_the_workgroup():
         gpu_tile_plan(512, 128, SHARED_BUDGET_BYTES["cuda"])
 
 
-@pytest.mark.parametrize("T", [100, 16, 2048])
-def test_plan_refuses_workgroups_that_are_not_a_power_of_two_up_to_1024(T):
-    with pytest.raises(ValueError, match=f"workgroup threads T={T}"):
-        gpu_tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], T=T)
-
-
-def test_tile_overrides_parse_and_refuse_unknown_knobs():
-    assert tile_overrides("T=128,HB=8, R=256") == {"T": 128, "HB": 8, "R": 256}
-    assert tile_overrides("") == {}
-    p = gpu_tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], **tile_overrides("T=128,HB=8,R=256"))
-    assert (p.T, p.HB, p.RB, p.R, p.LG) == (128, 8, 4, 256, 16)  # run 5's tile, measured against in run 7
-    assert gpu_tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], **tile_overrides("PF=0")).PF == 0
-    with pytest.raises(ValueError, match="prefetch PF=2"):
-        gpu_tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], **tile_overrides("PF=2"))
-    for bad in ("X=2", "T=", "T=-4", "T=abc", "T=0", "PF=-1"):
+def test_tile_choice_reads_words_and_refuses_anything_else(monkeypatch):
+    monkeypatch.delenv("MUSER_GPU_TILE", raising=False)
+    monkeypatch.delenv("MUSER_GPU_UNROLL", raising=False)
+    assert tile_choice() == {}
+    assert tile_choice("block") == {"tile": "block"} and tile_choice("warp") == {"tile": "warp"}
+    monkeypatch.setenv("MUSER_GPU_UNROLL", "1")
+    assert tile_choice("") == {"unroll": 1}
+    for bad in ("WT=0", "blocks", "T=256"):  # the two-letter knobs are gone: a rejected variant is no setting
         with pytest.raises(ValueError, match="MUSER_GPU_TILE"):
-            tile_overrides(bad)
+            tile_choice(bad)
+    for bad in ("0", "-1", "x8"):
+        monkeypatch.setenv("MUSER_GPU_UNROLL", bad)
+        with pytest.raises(ValueError, match="MUSER_GPU_UNROLL"):
+            tile_choice("")
 
 
 @pytest.mark.parametrize("n", [1, 2, 16, 128, 7, 18, 112])  # powers of two: shift/mask; the rest: C division
@@ -136,25 +133,23 @@ def warp_plans():
     for arch, budget in SHARED_BUDGET_BYTES.items():
         for G in GROUPS:
             for D in HEAD_DIMS:
-                for RL, WW, WC in ((4, WARPS, CHUNK_HALVES), (8, WARPS, CHUNK_HALVES), (4, 6, 512), (4, 3, 256)):
-                    p = warp_tile_plan(G, D, budget, arch=arch, RL=RL, WW=WW, WC=WC)
-                    if p is not None:
-                        yield arch, budget, p
+                p = warp_tile_plan(G, D, budget, arch=arch)
+                if p is not None:
+                    yield arch, budget, p
 
 
 @pytest.mark.parametrize("backend_name, budget, p", list(warp_plans()), ids=str)
 def test_warp_plan_covers_every_score_and_output_once_within_budget(backend_name, budget, p):
-    assert p.T == p.W * 32 and p.HGL * p.RGL == 32 and p.HGL * 4 == p.G and p.RW == p.RL * p.RGL
+    assert p.T == WARPS * 32 and p.HGL * p.RGL == 32 and p.HGL * 4 == p.G and p.RW == 4 * p.RGL
     # a lane (hg, rg) scores heads hg + HGL*i and rows rg + RGL*j; it accumulates the same heads, dims
     # 4*rg + 4*RGL*jj + e: together the lanes cover G x RW scores and G x D outputs exactly once
     scores = sorted((hg + p.HGL * i, rg + p.RGL * j) for hg in range(p.HGL) for rg in range(p.RGL)
-                    for i in range(4) for j in range(p.RL))
+                    for i in range(4) for j in range(4))
     assert scores == sorted((h, r) for h in range(p.G) for r in range(p.RW))
     dims = sorted(4 * rg + 4 * p.RGL * jj + e for rg in range(p.RGL) for jj in range(p.VD // 4) for e in range(4))
     assert dims == list(range(p.D)) and 4 * p.VD <= 64
-    # a chunk is CH halves (CHUNK_HALVES unless WC says), K (RW rows x DC dims) or V (VR rows x D), whole
-    # words per lane
-    assert p.RW * p.DC == p.VR * p.D == p.CH and p.CH % (2 * 32) == 0
+    # a chunk is CHUNK_HALVES halves, K (RW rows x DC dims) or V (VR rows x D), whole words per lane
+    assert p.RW * p.DC == p.VR * p.D == CHUNK_HALVES and CHUNK_HALVES % (2 * 32) == 0
     assert p.D % p.DC == 0 and p.DC % 4 == 0 and p.RW % p.VR == 0
     assert p.BUF >= max(p.RW * (p.DC + 4), p.VR * p.D) and p.BUF % 4 == 0  # 128-bit aligned per warp
     assert p.shared_bytes <= budget
@@ -166,46 +161,12 @@ def test_glimmer_takes_warp_tiles_on_cuda_and_vulkan_and_the_block_tile_on_metal
         assert (p.HGL, p.RGL, p.RW, p.DC, p.VR, p.VD, p.shared_bytes) == (4, 8, 32, 32, 8, 16, 38144)
         assert p.WU == (8 if arch == "cuda" else 1)  # UNROLL: measured on CUDA only
     assert tile_plan(16, 128, SHARED_BUDGET_BYTES["metal"], "metal") == gpu_tile_plan(16, 128, 32 * 1024)
-    # WT=0 asks for the block tile where warp tiles apply; WU sets the unroll
-    assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WT=0")) == \
+    # "block" asks for the block tile where warp tiles apply; unroll sets the warp tile's
+    assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", tile="block") == \
         gpu_tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"])
-    assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WU=2")).WU == 2
-    # RL=8: 64-row warp tiles, which only just fit 48 KiB; XM: shuffles for the tile max, CUDA only
-    p = tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("RL=8,XM=1"))
-    assert (p.RL, p.RW, p.DC, p.XM, p.shared_bytes) == (8, 64, 16, 1, 48896)
-    assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda").XM == 0  # not a measured win (docs/PERF.md run 20)
-    for arch in ("vulkan", "metal"):
-        with pytest.raises(ValueError, match=f"XM=1 on {arch}.*CUDA only"):
-            warp_tile_plan(16, 64, SHARED_BUDGET_BYTES[arch], arch=arch, XM=1)
-    assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("CA=2")).CA == 2
-    assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda").CA == 1
-    with pytest.raises(ValueError, match="CA=3: expected 1 or 2"):
-        tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("CA=3"))
-    with pytest.raises(ValueError, match="RL=5: expected 4 or 8"):
-        tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("RL=5"))
-    with pytest.raises(ValueError, match="XM=2: expected 0 or 1"):
-        tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("XM=2"))
-    # WW, WC: warps per workgroup and halves per chunk (run 21: 6 warps fit 48 KiB only with 512-half chunks)
-    p = tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WW=6,WC=512"))
-    assert (p.W, p.T, p.CH, p.DC, p.VR, p.shared_bytes) == (6, 192, 512, 16, 4, 40704)
-    p = tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda")
-    assert (p.W, p.T, p.CH) == (WARPS, 128, CHUNK_HALVES) == (4, 128, 1024)  # 6 warps spilled (run 21)
-    # HW: 2 warps share each row set's chunks, 8 heads each, so a lane holds 4 heads x 8 dims and the row set is
-    # 64 rows; its buffer, weights and row table are per row set, its max and sum scratch per warp
-    p = tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("HW=2,WW=6,WC=512"))
-    assert (p.HW, p.GW, p.WR, p.HGL, p.RGL, p.RW, p.VD, p.DC, p.VR, p.T) == (2, 8, 3, 2, 16, 64, 8, 8, 4, 192)
-    assert p.shared_bytes == 4 * (16 * 132 + 3 * (64 * 12 + 64 * 16 + 64) + 6 * (16 * 8 + 2 * 8))
-    assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda").HW == 1
-    with pytest.raises(ValueError, match="HW=2: expected 1 to 2 warps per row set, dividing WW=3"):
-        tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WW=3,HW=2"))
-    with pytest.raises(ValueError, match="HW=3"):
-        tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WW=6,HW=3"))
-    assert warp_tile_plan(8, 64, SHARED_BUDGET_BYTES["cuda"], HW=2) is None  # 4 heads a warp: 2 dims a lane
-    assert warp_tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], HW=2, WW=8) is None  # 49.8 KiB: past 48
-    with pytest.raises(ValueError, match="WW=9: expected 1 to 8 warps"):
-        tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WW=9"))
-    with pytest.raises(ValueError, match=r"WC=768: expected one of \(256, 512, 1024, 2048\)"):
-        tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", **tile_overrides("WC=768"))
+    assert tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", unroll=2).WU == 2
+    with pytest.raises(ValueError, match="unroll 0"):
+        tile_plan(16, 128, SHARED_BUDGET_BYTES["cuda"], "cuda", unroll=0)
     # Qwen2.5-7B's 7 heads per KV head and multi-head attention keep the block tile
     assert warp_tile_plan(7, 128, SHARED_BUDGET_BYTES["cuda"]) is None
     assert warp_tile_plan(1, 256, SHARED_BUDGET_BYTES["cuda"]) is None
@@ -221,12 +182,12 @@ def test_kernels_follow_the_tile_that_muser_gpu_tile_names(arch, monkeypatch):
     gpu = arch != "cpu"
     monkeypatch.delenv("MUSER_GPU_TILE", raising=False)
     default = build_interleaved(128, 16, 2, 32, gpu)[0], build_splitk(128, 16, 2, 32, gpu)[0]
-    monkeypatch.setenv("MUSER_GPU_TILE", "WT=0")
+    monkeypatch.setenv("MUSER_GPU_TILE", "block")
     block = build_interleaved(128, 16, 2, 32, gpu)[0], build_splitk(128, 16, 2, 32, gpu)[0]
     monkeypatch.delenv("MUSER_GPU_TILE")
     again = build_interleaved(128, 16, 2, 32, gpu)[0], build_splitk(128, 16, 2, 32, gpu)[0]
     assert again[0] is default[0] and again[1] is default[1]
-    if gpu:  # WT=0: the block tile instead of the warp tile
+    if gpu:  # the block tile instead of the warp tile
         assert block[0] is not default[0] and block[1] is not default[1]
     else:  # the CPU producer has no tile
         assert block[0] is default[0] and block[1] is default[1]

@@ -1,4 +1,4 @@
-"""The GPU producers' query copy (producer_gpu.query_stager) alone: every query, times the attention scale,
+"""The GPU producers' query copy (gpu_common.query_stager) alone: every query, times the attention scale,
 lands in its cell, once, at shapes the engine's geometries do not reach (a last trip that only some threads
 take, more trips than one batch of QUERY_LOADS_IN_FLIGHT loads, a padded row stride)."""
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import taichi as ti
 
-from muser_ti.kernels.producer_gpu import QUERY_LOADS_IN_FLIGHT, query_stager
+from muser_ti.kernels.producer.gpu_common import QUERY_LOADS_IN_FLIGHT, query_stager
 
 LAYERS = 3
 SENTINEL = -7.5  # the destination's fill: a cell the copy must not touch keeps it

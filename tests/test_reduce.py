@@ -1,4 +1,4 @@
-"""The reducer (kernels/merge.py) alone: per-workgroup [M, S, O] partials merged into the output, against
+"""The reducer (kernels/reducer.py) alone: per-workgroup [M, S, O] partials merged into the output, against
 the float64 merge, at split widths on both sides of the GPU reducer's load batches."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import taichi as ti
 
 from muser_ti.kernels.common import MAX_WORKGROUPS, RUNNING_MAX_INIT, on_gpu
-from muser_ti.kernels.merge import build_reduce
+from muser_ti.kernels.reducer import build_reduce
 
 D, H, LAYERS = 64, 4, 3
 # both sides of the GPU reducer's batches (32 and 64 partials; 16 before run 21) up to a deep split's 264; the

@@ -12,7 +12,7 @@ import pytest
 import muser_ti as mt
 from muser_ti import EngineError
 from muser_ti.kernels.producer import active_tile_plan
-from muser_ti.kernels.producer_warp import WarpTilePlan
+from muser_ti.kernels.producer.warp_tile import WarpTilePlan
 from sessions import DISTRIBUTIONS, GEOMETRIES, Session, geometry, own_routes_only
 
 
@@ -153,28 +153,19 @@ def test_tiny_ring_smaller_than_window_is_refused(arch):
     assert s.eng.position == 16
 
 
-# Every lane split of the GPU producer's warp tile (kernels/producer_warp.py): 4 head groups x 8 row
-# groups (Glimmer's 16 heads per KV head), 2 x 16 (8 heads, d 64) and 1 x 32 (4 heads, d 128).  The split
-# is forced down to one workgroup per (layer, KV head), so a workgroup owns every visible row and all its
-# warps work through several tiles (128 rows at 4 warps), the current token landing in a later warp's
-# rows; at the default split a few hundred rows give each workgroup one 32-row block, which only the
-# first warp sees.
-# The tile knobs (producer_warp: RL, 64-row tiles; CA, two chunks in flight; XM, the tile max by warp
-# shuffles; WW and WC, warps per workgroup and halves per chunk; HW, two warps sharing each row set's
-# chunks, 8 heads each) run here too.
-@pytest.mark.parametrize("n_heads, head_dim, tile", [(32, 128, ""), (16, 64, ""), (8, 128, ""), (32, 128, "RL=8"),
-                                                     (32, 128, "CA=2"), (32, 128, "XM=1"), (32, 128, "RL=8,XM=1"),
-                                                     (32, 128, "CA=2,XM=1"), (32, 128, "WW=6,WC=512"),
-                                                     (16, 64, "WW=3,WC=256"), (32, 128, "HW=2"),
-                                                     (32, 128, "HW=2,WW=6,WC=512"), (32, 128, "HW=2,WW=2,XM=1")])
+# Every lane split of the GPU producer's warp tile (kernels/producer/warp_tile.py): 4 head groups x 8 row
+# groups (Glimmer's 16 heads per KV head), 2 x 16 (8 heads, d 64) and 1 x 32 (4 heads, d 128); and the block
+# tile at Glimmer's shape.  The split is forced down to one workgroup per (layer, KV head), so a workgroup
+# owns every visible row and all its warps work through several tiles (128 rows at 4 warps), the current
+# token landing in a later warp's rows; at the default split a few hundred rows give each workgroup one
+# 32-row block, which only the first warp sees.
+@pytest.mark.parametrize("n_heads, head_dim, tile", [(32, 128, ""), (16, 64, ""), (8, 128, ""), (32, 128, "block")])
 def test_warp_tiles_with_every_warp_busy_match_reference(arch, n_heads, head_dim, tile, monkeypatch):
     if arch == "cpu":
         pytest.skip("the CPU producer has no GPU tiles")
-    if "XM" in tile and arch != "cuda":
-        pytest.skip("XM: warp shuffles run on CUDA only in Taichi 1.7.4")
     monkeypatch.setenv("MUSER_GPU_TILE", tile)
-    if not isinstance(active_tile_plan(head_dim, n_heads // 2), WarpTilePlan):
-        pytest.skip(f"{arch} runs the block tile for this shape (its shared memory, producer_warp.warp_tile_plan)")
+    if tile != "block" and not isinstance(active_tile_plan(head_dim, n_heads // 2), WarpTilePlan):
+        pytest.skip(f"{arch} runs the block tile for this shape (its shared memory, warp_tile.warp_tile_plan)")
     monkeypatch.setenv("MUSER_GPU_TARGET_WORKGROUPS", "2")
     cfg = geometry(window=64, n_heads=n_heads, head_dim=head_dim)
     s = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=n_heads + head_dim)

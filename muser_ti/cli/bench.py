@@ -210,9 +210,9 @@ def bench_step(base, depth, arch, peers: Peers, rng, repeats) -> dict:
 def gpu_layer(base, route, depth, arch, rng, repeats, torch) -> dict:
     """One layer's producer + reducer.  On CUDA with torch: the GPU's busy time per launch pair from CUPTI
     (cupti_layer_row); with MUSER_TI_KERNEL_PROFILER=1, Taichi's kernel profiler (which overstates short
-    tasks, docs/PERF.md run 10); else (Vulkan) the device time from graph replays (graph_repeat_us), with
-    the wall time of 10 back-to-back pairs from Python beside it (host_wall_ms; Vulkan's rows up to run 25),
-    which on the H200's Vulkan is mostly the host's launches (run 26)."""
+    tasks); else (Vulkan) the device time from graph replays (graph_repeat_us), with the wall time of 10
+    back-to-back pairs from Python beside it (host_wall_ms), which on NVIDIA's Vulkan is mostly the host's
+    launches."""
     import taichi as ti
 
     cfg = layer_geometry(base, route, depth)

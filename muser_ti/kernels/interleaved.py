@@ -11,7 +11,7 @@ The workgroup split follows the same geometry rule as splitk.
 import taichi as ti
 
 from .common import HEAD_MAJOR, cached
-from .merge import build_reduce
+from .reducer import build_reduce
 from .producer import build_producer, plan_key
 
 

@@ -130,7 +130,7 @@ def build_token_scan(n_heads: int, n_kv: int, head_dim: int):
 @ti.func
 def token_accepted(flags: ti.template(), stamp) -> ti.i32:
     """1 unless the scan stamped ``stamp`` into a flag (build_token_scan): the gate of every write the
-    one-dispatch step makes (kernels/step_gpu.py)."""
+    one-dispatch step makes (kernels/one_dispatch.py)."""
     ok = 1
     for i in ti.static(range(TOKEN_FLAGS)):
         if flags[i] == stamp:

@@ -117,7 +117,7 @@ ab)
 
 tune)
   MUSER_TI_PRINT_ASM=1 timeout ${TUNE_TIMEOUT:-400} python3 scripts/lab/tune_gpu.py tiles --arch ${TUNE_ARCH:-cuda} \
-    --depths ${TUNE_DEPTHS:-2048,32768,131072} --variants "${TUNE_VARIANTS:-;WT=0}" --json "$OUT/tune.json" \
+    --depths ${TUNE_DEPTHS:-2048,32768,131072} --variants "${TUNE_VARIANTS:-;block}" --json "$OUT/tune.json" \
     > "$OUT/tune.log" 2>&1; echo "== tune rc=$?"; grep -E '^\{' "$OUT/tune.log" | cut -c1-300
   ptxas=$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)
   for f in taichi_kernel_nvptx_*.ptx; do  # registers and spills of every producer module Taichi printed

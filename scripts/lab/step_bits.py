@@ -1,7 +1,7 @@
 """Where the one-dispatch step and the graph route part, bit for bit: partials or output, which class.
 
 tests/test_step_device.py::test_one_dispatch_step_gives_the_graph_routes_bits asserts that the one-dispatch
-step (kernels/step_gpu.py) gives the graph route's output bits.  When it fails on a device, this says at
+step (kernels/one_dispatch.py) gives the graph route's output bits.  When it fails on a device, this says at
 which stage: each class's partials [M, S, O] (the producers' output) and each layer's output, per token,
 with the largest difference in units in the last place.  Equal partials and different outputs put the
 difference in the reducer; different partials, in the producer.  The tokens are the test's (window 48,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU tuning measurements that need one process per backend, not one per variant.
 
-    python scripts/lab/tune_gpu.py tiles --arch cuda --depths 2048,131072 --variants ";T=256,HB=4;T=256,HB=4,VH=2"
+    python scripts/lab/tune_gpu.py tiles --arch cuda --depths 2048,131072 --variants ";block;unroll=1"
     python scripts/lab/tune_gpu.py step --arch cuda --depth 2048
     python scripts/lab/tune_gpu.py trace --depths 2048,131072 --trace-dir out/traces
     python scripts/lab/tune_gpu.py launch --arch cuda
@@ -11,7 +11,7 @@
     python scripts/lab/tune_gpu.py wake --arch vulkan --depths 2048 --rounds 3     # as root
 
 tiles: one NoPE layer (interleaved producer + reducer) per depth, prefilled once; every tile variant
-(a MUSER_GPU_TILE string, "" = the default plan) is built, checked against the float64 reference on
+(a tile choice, "" = the default plan) is built, checked against the float64 reference on
 the same planes, and timed: device time from Taichi's kernel profiler where it is on (CUDA), the
 wall time of 20 back-to-back launches, and with --graph K the device's time per layer with the host's
 launches and waits taken out: K and 3K producer + reducer pairs replayed as one ti.graph each, to
@@ -34,7 +34,7 @@ launch: what one Taichi dispatch costs the host, apart from any kernel's work: g
 dispatches of a one-thread kernel with 2, 10 scalar or 7 array arguments, timed without a sync (the
 host's issue time) and with one; and the same kernels called from Python.
 
-paths: the one-dispatch step (kernels/step_gpu.py) against the graph route, in one process and on the
+paths: the one-dispatch step (kernels/one_dispatch.py) against the graph route, in one process and on the
 same engine, in alternating rounds of each: step() and step_device(), to the device's completion,
 with the host's time inside Taichi's graph launch (C++ included).  --paths one,direct,graph picks them;
 "direct" is the one dispatch (and step_device's scan) launched from Python instead of a ti.graph, which
@@ -87,7 +87,7 @@ from muser_ti.measure import graph_repeat_us, median_time as median_s, recorded_
 from muser_ti.measure import profile_calls, summarize_trace
 from muser_ti.kernels.common import HEAD_MAJOR
 from muser_ti.kernels.producer import addressing, build_gpu_producer, tile_plan
-from muser_ti.kernels.producer_gpu import SHARED_BUDGET_BYTES, tile_overrides
+from muser_ti.kernels.producer.gpu_common import SHARED_BUDGET_BYTES
 from muser_ti.kernels.splitk import gpu_items_cap, gpu_target_workgroups
 from muser_ti.reference import relative_error
 from muser_ti.replay import graph_arg
@@ -118,9 +118,11 @@ def tiles(args, rows) -> None:
         default = None
         for variant in args.variants:
             row = {"what": "tile variant", "arch": eng.arch, "depth": depth, "variant": variant or "default"}
-            # "wg=N" in a variant: the workgroup target of the split (MUSER_GPU_TARGET_WORKGROUPS) for it
+            # a variant: "block" or "warp" (the tile), "unroll=N" (the warp tile's), "wg=N" (the split's
+            # workgroup target, MUSER_GPU_TARGET_WORKGROUPS), comma-separated
             parts = [x for x in variant.split(",") if x]
-            tile = ",".join(x for x in parts if not x.startswith("wg="))
+            tile = next((x for x in parts if x in ("block", "warp")), None)
+            unroll = [int(x[7:]) for x in parts if x.startswith("unroll=")]
             target = [x[3:] for x in parts if x.startswith("wg=")]
             if target:
                 os.environ["MUSER_GPU_TARGET_WORKGROUPS"] = target[0]
@@ -129,7 +131,8 @@ def tiles(args, rows) -> None:
             eng.launcher.target = gpu_target_workgroups()  # an engine keeps the target it was made with
             eng.launcher.items_cap = gpu_items_cap(eng.launcher.target, cfg.n_layers * cfg.n_kv_heads)
             try:
-                plan = tile_plan(cfg.heads_per_kv, cfg.head_dim, budget, **tile_overrides(tile))
+                plan = tile_plan(cfg.heads_per_kv, cfg.head_dim, budget, eng.arch, tile=tile,
+                                 unroll=unroll[0] if unroll else None)
             except ValueError as exc:
                 emit({**row, "error": str(exc)}, rows)
                 continue
@@ -577,7 +580,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="glimmer.yaml")
     ap.add_argument("--depths", default="2048,131072", help="tiles, trace, paths, wake: comma-separated key counts")
     ap.add_argument("--depth", type=int, default=2048, help="step: the depth")
-    ap.add_argument("--variants", default="", help='tiles: MUSER_GPU_TILE strings separated by ";" ("" = default)')
+    ap.add_argument("--variants", default="", help='tiles: variants separated by ";" ("" = default; "block", '
+                    '"warp,unroll=1", "wg=528")')
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--graph", type=int, default=0, metavar="K",
                     help="tiles, step: also the device time from K and 3K copies in one graph (0: off)")

@@ -12,21 +12,10 @@ import taichi as ti
 from .common import MAX_WORKGROUPS, cached, f32_4d, i32_1d
 
 GPU_PARTIALS_IN_FLIGHT = 32  # U: partials a GPU reducer thread loads before it uses them.  A layer's reducer is
-#                              H x D threads (4,096 for Glimmer: one warp per SM), so nothing but a thread's own
-#                              loads can hide their latency.  One NoPE layer's reducer on the H200 (CUPTI, run
-#                              13) at 132 / 64 workgroups: 18.5 / 11.4 us one partial per loop trip (~12 % of
-#                              the layer at 131,072 keys), 11.5 / 7.9 us at U = 8, 11.0 / 7.7 us at U = 16, with
-#                              the partials past the last whole batch merged one per trip.  Those tails were
-#                              most of the round trips left: at 132 workgroups 8 batches and 3 single loads for
-#                              the max, 8 and 4 for the sums (23); at 64, 3 and 15, then 4 (22), which is why
-#                              64 cost 7.7 us for half the partials.  Now the tail is one more batch whose
-#                              reads past the split re-read the last partial and weigh 0, and U = 32, UM = 64:
-#                              3 + 5 round trips at 132 workgroups, 1 + 2 at 64.  Predicted ~4-5 us at 132;
-#                              measured 11.6 -> 9.1 us (run 22): each trip cost ~0.15 us, not ~0.5, since U
-#                              loads in flight hid most of it.  What is left is a thread's serial stream (6,246
-#                              warp instructions, one warp per scheduler, on 32 of 132 SMs; 35 % address math,
-#                              40 % weights every one of a head's D threads recomputes): spreading a value's
-#                              partials over more threads would cut it, and needs shared values (PERF.md run 22)
+#                              H x D threads (4,096 for Glimmer: a warp an SM), so only a thread's own loads can
+#                              hide their latency; past the last whole batch one more batch re-reads the last
+#                              partial with weight 0.  Known deficit: a thread's serial stream (~35 % address
+#                              math, ~40 % weights each of a head's D threads recomputes; docs/PERF.md)
 GPU_MAXES_IN_FLIGHT = 64  # UM: the maxes a thread loads at once in the first pass (one value a partial)
 
 
@@ -72,7 +61,7 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: 
             Each thread takes the max and the factors exp(M_i - gmax) of its head itself (nwg loads of M, S
             and O[d] each, the first two broadcast across the warp), U partials loaded ahead of their sums,
             which run in the CPU reducer's order (the last batch's reads past nwg weigh 0); no shared
-            memory, so the one-dispatch step can run it beside the producers' task (producer_gpu.shared_arrays
+            memory, so the one-dispatch step can run it beside the producers' task (block_tile.shared_arrays
             says why that matters).  ``write`` = 0
             leaves ``out`` as it was (a token the scan refused)."""
             item, d = t // D, t % D

@@ -3,21 +3,21 @@ the reducers as four tasks (loops) of one kernel.
 
 Why one dispatch.  Every Taichi kernel launch costs the host more than the device work of a short
 step: Taichi sets each argument through its launch context, allocates and copies an argument buffer
-and looks the task up by name, ~10 us per dispatch plus ~2 us per array argument on the H200's host,
-~40 us for a producer (docs/PERF.md run 10).  The graph route launched the scan, read its flags, then
+and looks the task up by name, tens of microseconds for a producer (docs/PERF.md).  The graph route
+launched the scan, read its flags, then
 replayed five dispatches (store, two producers, two reducers).  Here the arguments are set once and the
 tasks go out back to back; the device starts on the scan while the host still issues the later tasks.
 
 Only one task may declare shared memory: Taichi 1.7.4 names a CUDA shared array after its statement
 id, the ids restart in every task, and the tasks are linked into one module, so two tasks' arrays
-alias (producer_gpu.shared_arrays).  Both producers therefore share one task and one set of arrays,
+alias (block_tile.shared_arrays).  Both producers therefore share one task and one set of arrays,
 and the reducer uses none.
 
-Why it stays exact.  The tasks run the same ti.funcs the separate kernels run (producer_gpu.work,
-merge's gpu_work, the scan's check), so every output bit is the graph route's, as long as the compiler
+Why it stays exact.  The tasks run the same ti.funcs the separate kernels run (warp_tile / block_tile work,
+reducer's gpu_work, the scan's check), so every output bit is the graph route's, as long as the compiler
 makes the same arithmetic of the same source in both modules.  On CUDA they have matched in every run; a
 SPIR-V driver may fuse a multiply and an add into an FMA module by module, and NVIDIA's did, until the scores
-took the scale from the queries (producer_gpu.query_stager says how it was found; docs/PERF.md run 29).
+took the scale from the queries (gpu_common.query_stager says how it was found).
 test_one_dispatch_step_gives_the_graph_routes_bits catches a driver that does.  Two things move:
 
 * the stores: both classes' current rows are written by one task of their own, before the producers,
@@ -40,9 +40,9 @@ import taichi as ti
 
 from .common import HEAD_MAJOR, TOKEN_MAJOR, cached, f32_3d, f32_4d, i32_1d
 from .halves import HALVES_PER_WORD, packed_plane
-from .merge import build_reduce
+from .reducer import build_reduce
 from .producer import addressing, gpu_work, plan_key, plan_shared
-from .producer_gpu import udiv, umod
+from .producer.gpu_common import udiv, umod
 from .splitk import gpu_split_func, gpu_workgroups_per_pair
 from .stores import TOKEN_FLAGS, build_token_scan, token_accepted
 
@@ -55,9 +55,8 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int,
     launch, like every Taichi kernel); ``target``: the split's workgroup target (splitk.py).
 
     What is fixed for an engine is a compile-time constant, because every argument costs the host in
-    Taichi's launch, ~2-4 us per array and ~1 us per scalar on the H200 (scripts/arg_cost.py,
-    docs/PERF.md run 13), and a non-constant loop bound costs a one-thread task launched ahead of its
-    loop (run 9): the layer counts (constant bounds for the scan, store and reducer tasks), the scale,
+    Taichi's launch (microseconds each: scripts/lab/arg_cost.py), and a non-constant loop bound costs a
+    one-thread task launched ahead of its loop: the layer counts (constant bounds for the scan, store and reducer tasks), the scale,
     both windows and the split's target, and with them the producers' bound (their most work items).
     What follows from those and the position is computed in the kernel, by the threads that use it:
     both classes' split geometry (splitk.gpu_split_func, what Engine.split_geometry gives) and the planes'
