@@ -22,14 +22,16 @@ from . import backend, inputs, ladder
 from .config import Geometry
 from .errors import EngineError, PinnedUnavailable, PlaneError
 from .kv_cache import LAYOUT_OF, KVCache
-from .launch import Launcher
+from .kernels.stores import REFUSAL_RING
+from .launch import InFlight, Launcher
 from .pinned import mirror as plane_mirror, pinned_status
 from .pinned.vec import VecRung
-from .planes import PlaneState, visible_span, window_of
-from .reference import attend
+from .planes import PlaneState, visible_span
+from .reference import over_planes
 
 GRAPHS = ("teacher", "serving")
 PINNED_MODES = ("auto", "on", "off")
+DEVICE_CHECKS = ("per_token", "deferred")
 
 
 def pinned_library_status(arch: str = "auto") -> tuple[bool, str]:
@@ -49,11 +51,15 @@ class Engine:
     plane, written on every store, that the vec routes read instead of the planes.  On arch="metal" with
     the pinned rung loaded the engine always keeps one, in bridge buffers (never run: no macOS here);
     "host" keeps one in numpy memory on any arch, to test the bookkeeping off macOS.
+    device_checks: "per_token" | "deferred", how step_device learns that the device refused a token
+    (step_device says how).
     """
 
     def __init__(self, cfg: Geometry, arch: str = "auto", pinned: str = "auto", graph: str = "teacher",
-                 force: str | dict | None = None, capacity: int | None = None, mirror: str | None = None):
+                 force: str | dict | None = None, capacity: int | None = None, mirror: str | None = None,
+                 device_checks: str = "per_token"):
         inputs.choice("pinned", pinned, PINNED_MODES)
+        inputs.choice("device_checks", device_checks, DEVICE_CHECKS)
         inputs.choice("graph", graph, GRAPHS)
         inputs.capacity(capacity)
         inputs.choice("mirror", mirror, plane_mirror.MIRRORS)
@@ -71,16 +77,13 @@ class Engine:
         self.pinned_loaded, self.pinned_description = loaded, why
         self.graph = graph
         self._forced = ladder.parse_force(force, cfg.layer_kinds)
-        self._routes_by_mix: dict[tuple[str, ...], tuple[str, ...]] = {}  # unforced: each class's route -> routes
+        self._routes = ladder.RouteLog(cfg.layer_kinds)
         backing = plane_mirror.backing_for(self.arch, loaded, mirror)
         self.cache = KVCache(cfg, capacity, backing, serving=graph == "serving")
         self.vec = VecRung(cfg, self.cache, backing.runner(cfg) if backing is not None else None)
         self.launcher = Launcher(cfg, self.cache, self.vec)
-        self.routes: list[str | None] = [None] * cfg.n_layers
-        # route_counts, kept as accepted steps per route mix (the whole model's routes, a tuple): a step adds 1
-        # to one count instead of one per layer; the per-route sums are made when route_counts is read
-        self._steps_by_mix: dict[tuple[str, ...], int] = {}
-        self._restored_counts: Counter = Counter()  # counts a snapshot brought in (route_counts' setter)
+        self.device_checks = device_checks
+        self._in_flight = InFlight()  # deferred checks: the steps since the host last looked
 
     # ---- state the user reads --------------------------------------------------------------------
     @property
@@ -108,19 +111,23 @@ class Engine:
         return self.launcher.step_kernel is not None
 
     @property
+    def routes(self) -> list:
+        """Each layer's route for the last token."""
+        return self._routes.last
+
+    @routes.setter
+    def routes(self, routes) -> None:
+        self._routes.last = list(routes)
+
+    @property
     def route_counts(self) -> Counter:
         """Layer-steps per route over every accepted token (restored with a snapshot); a new Counter on
-        every read."""
-        counts = Counter(self._restored_counts)
-        for mix, steps in self._steps_by_mix.items():
-            for route, layers in Counter(mix).items():
-                counts[route] += layers * steps
-        return counts
+        every read.  With deferred checks it counts the steps in flight until the next sync()."""
+        return self._routes.counts()
 
     @route_counts.setter
     def route_counts(self, counts) -> None:
-        self._restored_counts = Counter(counts)
-        self._steps_by_mix = {}
+        self._routes.restore(counts)
 
     def split_geometry(self, visible: int, n_group: int) -> tuple[int, int]:
         """(workgroups, simdgroups) of a producer launch over n_group layers (launch.py)."""
@@ -129,48 +136,56 @@ class Engine:
     # ---- the public API --------------------------------------------------------------------------
     def prefill(self, k: np.ndarray, v: np.ndarray) -> None:
         """Append tokens without attention; k, v: float32 [n_tokens, n_layers, n_kv_heads, head_dim]."""
-        self.cache.check_alive()
+        self._settle()
         k, v = inputs.prefill_tokens(self.cfg, k, v)
         n = k.shape[0]
         if n == 0:
             return
         if self.position + n > self.cfg.max_context:
             raise EngineError(f"prefill of {n} tokens at position {self.position} passes max_context={self.cfg.max_context}")
-        try:
-            new_states = self.cache.plan_prefill(n)
-        except PlaneError as exc:
-            raise EngineError(str(exc)) from None
-        self.cache.prefill(k, v, new_states, self.launcher.host_or_dev)
+        self.cache.prefill(k, v, self._planned(self.cache.plan_prefill, n), self.launcher.host_or_dev)
 
     def step(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """Attend one token: q [n_layers, n_heads, head_dim], k/v [n_layers, n_kv_heads, head_dim] -> like q."""
-        self.cache.check_alive()
+        self._settle()
         q, k, v = inputs.step_token(self.cfg, q, k, v)
-        plan = self._plan()
-        return self._commit(plan, q, k, v)
+        return self._commit(self._plan(), q, k, v)
 
     def step_device(self, q, k, v, out):
         """Attend one token with the activations on the device: q, k, v and out are Taichi float32
         ndarrays of step()'s shapes; the output is written into ``out``, which is returned.
 
         Nothing crosses to the host but a few flags: one kernel scans q, k and v for non-finite values
-        and for k/v outside the f16 planes' range, and its flags are read before anything is written, so
-        bad input is refused as step() refuses it (the same messages) with the cache unchanged.  Steps
-        that need the activations on the host (a pinned llama.cpp route, mirror planes) copy them there.
+        and for k/v outside the f16 planes' range, so bad input is refused as step() refuses it with the
+        cache and ``out`` unchanged.  device_checks="per_token" (the default) reads the flags after every
+        token, one device wait, and raises for a refused token at once, with step()'s message.
+        device_checks="deferred" reads them only where the host synchronises anyway (sync(), step,
+        prefill, rewind, save, load, the inspection methods): the device holds back every write after a
+        refused token, and that call raises for the first refused token and rolls the engine back to just
+        before it (position, plane states, routes), as CUDA reports an asynchronous error late.  Deferred
+        checks apply to one-dispatch steps (CUDA, Vulkan); any other step looks at the flags first.
+        Steps that need the activations on the host (a pinned llama.cpp route, mirror planes) copy them.
         """
         self.cache.check_alive()
         inputs.device_token(self.cfg, {"q": q, "k": k, "v": v, "out": out})
         launcher = self.launcher
+        if self.device_checks == "deferred" and launcher.unlooked >= REFUSAL_RING:
+            self.sync()  # the device keeps every token's flags for REFUSAL_RING scans
         try:
             plan = self._plan()
         except EngineError:
+            self.sync()
             launcher.scan_device_token(q, k, v)  # a bad token is named before a full cache, as step() names it
             raise
-        p, new_states, routes, _ = plan
+        p, new_states, routes, mix = plan
         if launcher.one_dispatch_fits(new_states, routes, bool(self._forced)):
-            # the scan is the step's first task and gates its writes; the flags are read after it
-            self._commit(plan, None, None, None, device=(q, k, v, out), gated=True)
+            if self.device_checks == "deferred":
+                self._in_flight.add(launcher.scans + 1, p, self.cache.states(), self.routes, mix)
+                self._commit(plan, None, None, None, device=(q, k, v, out), gate="deferred")
+            else:  # the scan is the step's first task and gates its writes; the flags are read after it
+                self._commit(plan, None, None, None, device=(q, k, v, out), gate="token")
             return out
+        self.sync()
         launcher.scan_device_token(q, k, v)
         if self.cache.mirror is not None or any(r in ladder.PINNED_ROUTES for r in routes):
             launcher.transfer.upload(out, self._commit(plan, *launcher.download_token(q, k, v)))
@@ -179,31 +194,44 @@ class Engine:
         launcher.launches += 1  # the scan
         return out
 
+    def sync(self) -> None:
+        """Wait for the device and look at the flags of every step_device token not yet looked at (deferred
+        checks): raise for the first refused one, the engine rolled back to just before it."""
+        self.cache.check_alive()
+        if self._in_flight:
+            self._in_flight.settle(self.launcher.look(), self.cache, self._routes)
+
     def rewind(self, position: int) -> None:
         """Drop every token at or after ``position`` (speculative-decoding rollback).
 
         Refused, with the state unchanged, where a ring has already evicted rows the next token at
         ``position`` would need (a ring only rolls back as far as its slack beyond the window).
         """
-        self.cache.check_alive()
+        self._settle()
         position = inputs.position("rewind", position, self.position)
-        try:
-            new_states = self.cache.plan_rewind(position)
-        except PlaneError as exc:
-            raise EngineError(str(exc)) from None
-        self.cache.rewind(position, new_states)
+        self.cache.rewind(position, self._planned(self.cache.plan_rewind, position))
 
     # ---- plan, then commit -----------------------------------------------------------------------
+    def _settle(self) -> None:
+        """A point where the host synchronises: the engine must be alive and every deferred check looked at."""
+        self.cache.check_alive()
+        if self._in_flight:
+            self.sync()
+
+    @staticmethod
+    def _planned(plan, *args):
+        try:
+            return plan(*args)
+        except PlaneError as exc:
+            raise EngineError(str(exc)) from None
+
     def _plan(self):
         """(position, plane states after the append, route per layer, the routes as a tuple: route_counts'
         key), or raise with nothing written."""
         p = self.position
         if p >= self.cfg.max_context:
             raise EngineError(f"position {p} is past max_context={self.cfg.max_context}")
-        try:
-            new_states = self.cache.plan_append()
-        except PlaneError as exc:
-            raise EngineError(str(exc)) from None
+        new_states = self._planned(self.cache.plan_append)
         strict = ladder.strict_attention()
         # the ladder depends on the layer's class and plane state only, so it is evaluated once per class;
         # forced layers are checked one by one
@@ -214,10 +242,7 @@ class Engine:
                       for layer, kind in enumerate(self.cfg.layer_kinds)]
             used, mix = set(routes), tuple(routes)
         else:  # every layer takes its class's route: one tuple per route mix, listed anew (users may edit .routes)
-            used = tuple(chosen.values())
-            mix = self._routes_by_mix.get(used)
-            if mix is None:
-                mix = self._routes_by_mix[used] = tuple(chosen[kind] for kind in self.cfg.layer_kinds)
+            used, mix = tuple(chosen.values()), self._routes.mix_of(chosen)
             routes = list(mix)
         pinned = sorted({r for r in used if r in ladder.PINNED_ROUTES})
         if pinned and not self.pinned_loaded:
@@ -226,14 +251,15 @@ class Engine:
                 f"loaded: {self.pinned_description}")
         return p, new_states, routes, mix
 
-    def _commit(self, plan, q, k, v, device=None, gated=False):
+    def _commit(self, plan, q, k, v, device=None, gate=None):
         """Write and attend the accepted token.  q, k, v: checked host arrays; or device = (q, k, v, out)
         ndarrays, with out receiving the result (then nothing is returned), checked on the device already or,
-        with ``gated``, by the one-dispatch step's first task: then its flags are read after the step and a
-        refused token leaves the planes, ``out`` and the engine's state as they were."""
+        with ``gate`` ("token", "deferred"), by the one-dispatch step's first task (Launcher.one_dispatch):
+        a refused token then leaves the planes, ``out`` and, once the host has looked, the engine's state as
+        they were."""
         p, new_states, routes, mix = plan
         cache, launcher = self.cache, self.launcher
-        one_dispatch = gated or launcher.one_dispatch_fits(new_states, routes, bool(self._forced))  # before growth
+        one_dispatch = gate is not None or launcher.one_dispatch_fits(new_states, routes, bool(self._forced))
         # ---- commit: from here on the token is accepted (gated: unless the step's scan refuses it) ----
         launcher.begin()
         for kind, st in new_states.items():
@@ -250,15 +276,14 @@ class Engine:
             out = None
         vec_layers, vec_out = [], out
         if one_dispatch:
-            launcher.one_dispatch(p, new_states, k_dev, v_dev, out_dev, gated)
+            launcher.one_dispatch(p, new_states, k_dev, v_dev, out_dev, gate or "open")
         else:
             vec_layers, vec_out = launcher.routes(p, new_states, routes, q, k_dev, v_dev, out, out_dev)
         launcher.finish(external=device or ())
-        if gated:
+        if gate == "token":
             launcher.refuse_if_flagged(*device[:3])
         cache.commit_append(new_states)
-        self.routes = routes
-        self._steps_by_mix[mix] = self._steps_by_mix.get(mix, 0) + 1
+        self._routes.record(routes, mix)
         if device is not None:
             return None
         if out is None:
@@ -273,6 +298,7 @@ class Engine:
 
     def plane_rows(self, layer: int) -> tuple[np.ndarray, np.ndarray, PlaneState, str]:
         """Copies of one layer's K and V planes (f16), its state and layout, for the reference and tests."""
+        self._settle()
         kind = self.cfg.layer_kinds[layer]
         k, v = self.cache.halves(kind)
         slot = self.cache.slot[layer]
@@ -280,33 +306,20 @@ class Engine:
 
     def plane_halves(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of a class's K and V planes (every layer of the class), as float16 [..., head_dim]."""
+        self._settle()
         return self.cache.halves(kind)
 
     def planes_snapshot(self) -> dict[str, tuple[np.ndarray, np.ndarray, PlaneState]]:
         """Every class's planes (all layers) and state: compare before/after a rejected call."""
+        self._settle()
         return {kind: (*self.cache.halves(kind), ps.state) for kind, ps in self.cache.planes.items()}
 
     def reference(self, q: np.ndarray, k_cur: np.ndarray | None = None, v_cur: np.ndarray | None = None,
                   routes: list[str] | None = None) -> np.ndarray:
-        """float64 reference of the last step over the engine's own planes, per layer.
-
-        Layers that took the interleaved route read the current token from k_cur/v_cur (f32), as that
-        route does; all others read it back from the f16 plane.
-        """
-        g = self.cfg
-        p = self.position - 1
-        routes = self.routes if routes is None else routes
-        snap = {kind: self.cache.halves(kind) for kind in self.cache.planes}
-        out = np.empty((g.n_layers, g.n_heads, g.head_dim), np.float64)
-        for layer, kind in enumerate(g.layer_kinds):
-            kp, vp = snap[kind]
-            slot = self.cache.slot[layer]
-            current = None
-            if routes[layer] == ladder.INTERLEAVED and k_cur is not None:
-                current = (k_cur[layer], v_cur[layer])
-            out[layer] = attend(q[layer], kp[slot], vp[slot], self.cache.planes[kind].state, p, window_of(g, kind),
-                                g.attention_scale, LAYOUT_OF[kind], current)
-        return out
+        """float64 reference of the last step over the engine's own planes, per layer (reference.over_planes:
+        layers that took the interleaved route read the current token from k_cur/v_cur, as that route does)."""
+        self._settle()
+        return over_planes(self.cfg, self.cache, self.routes if routes is None else routes, q, k_cur, v_cur)
 
     def kv_bytes_last_step(self) -> int:
         """KV bytes the last step read: visible rows x bytes per row, summed over layers."""
@@ -322,6 +335,7 @@ class Engine:
 
     def snapshot_contents(self) -> tuple[dict[str, np.ndarray], dict]:
         """(tensors, session): the cache's state_dict with the session's graph, route counts and routes."""
+        self._settle()
         tensors, meta = self.cache.state_dict()
         return tensors, {**meta, "graph": self.graph, "route_counts": dict(self.route_counts), "routes": list(self.routes)}
 
@@ -329,7 +343,7 @@ class Engine:
         """Replace this session with a saved one; a bad or mismatched file is refused, state unchanged."""
         from . import snapshot
 
-        self.cache.check_alive()
+        self._settle()
         snap = snapshot.read(path)
         snapshot.check_fits(snap, self.cache)
         self._restore(snap)
@@ -341,14 +355,14 @@ class Engine:
 
     @classmethod
     def from_snapshot(cls, path, arch: str = "auto", pinned: str = "auto", graph: str | None = None,
-                      force=None, mirror: str | None = None) -> "Engine":
+                      force=None, mirror: str | None = None, device_checks: str = "per_token") -> "Engine":
         """A new engine holding the session saved in ``path`` (its geometry and session capacity); ``graph``
         defaults to the graph the session was saved from."""
         from . import snapshot
 
         snap = snapshot.read(path)
         engine = cls(snap.geometry, arch=arch, pinned=pinned, graph=graph or snap.meta["graph"], force=force,
-                     capacity=snap.session_capacity, mirror=mirror)
+                     capacity=snap.session_capacity, mirror=mirror, device_checks=device_checks)
         snapshot.check_fits(snap, engine.cache)
         engine._restore(snap)
         return engine

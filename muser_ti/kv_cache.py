@@ -179,6 +179,15 @@ class KVCache:
             for kind, st in new_states.items():
                 self.mirror.store(kind, [st.physical(self.position)], k[None], v[None])
 
+    def states(self) -> dict[str, PlaneState]:
+        return {kind: ps.state for kind, ps in self.planes.items()}
+
+    def restore_states(self, states: dict[str, PlaneState], position: int) -> None:
+        """Back to earlier states (tokens the device never wrote: a deferred refusal); no data moves."""
+        for kind, st in states.items():
+            self.set_state(kind, st)
+        self.position = position
+
     def commit_append(self, new_states: dict[str, PlaneState]) -> None:
         for kind, st in new_states.items():
             self.set_state(kind, st)

@@ -15,6 +15,7 @@ The predicates are the chapter's, clause for clause, evaluated on the plane *aft
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 from .config import NOPE, SWA
 from .errors import RouteError
@@ -109,3 +110,47 @@ def parse_force(force, layer_kinds: tuple[str, ...]) -> dict[int, str]:
             raise RouteError(f"force: unknown route {route!r} for layer {layer}; routes are {list(ROUTES)}")
         out[layer] = route
     return out
+
+
+class RouteLog:
+    """The routes a session took: each layer's route for the last token (``last``) and layer-steps per route
+    over every accepted token (``counts()``, restored with a snapshot).  Kept as steps per route mix (the
+    whole model's routes, a tuple): a step adds 1 to one count instead of one per layer, and the per-route
+    sums are made when they are read; an unforced step's mix is made once per class routes."""
+
+    def __init__(self, layer_kinds: tuple[str, ...]):
+        self.layer_kinds = layer_kinds
+        self.last: list[str | None] = [None] * len(layer_kinds)
+        self._steps_by_mix: dict[tuple[str, ...], int] = {}
+        self._restored: Counter = Counter()
+        self._mixes: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+    def mix_of(self, chosen: dict[str, str]) -> tuple[str, ...]:
+        """Every layer's route when each class takes its ``chosen`` route."""
+        key = tuple(chosen.values())
+        mix = self._mixes.get(key)
+        if mix is None:
+            mix = self._mixes[key] = tuple(chosen[kind] for kind in self.layer_kinds)
+        return mix
+
+    def record(self, routes: list[str], mix: tuple[str, ...]) -> None:
+        self.last = routes
+        self._steps_by_mix[mix] = self._steps_by_mix.get(mix, 0) + 1
+
+    def undo(self, mix: tuple[str, ...], last: list[str | None]) -> None:
+        """Forget one recorded step (a token the device refused after it was counted)."""
+        self._steps_by_mix[mix] -= 1
+        self.last = last
+
+    def counts(self) -> Counter:
+        counts = Counter(self._restored)
+        for mix, steps in self._steps_by_mix.items():
+            if steps:
+                for route, layers in Counter(mix).items():
+                    counts[route] += layers * steps
+        return counts
+
+    def restore(self, counts) -> None:
+        self._restored = Counter(counts)
+        self._steps_by_mix = {}
+

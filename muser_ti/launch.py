@@ -20,11 +20,17 @@ from .kernels.interleaved import build_interleaved
 from .kernels.splitk import (build_splitk, gpu_items_cap, gpu_split_geometry, gpu_target_workgroups,
                              gpu_workgroups_per_pair, splitk_geometry)
 from .kernels.one_dispatch import ONE_DISPATCH_ARCHS, build_step_kernel
-from .kernels.stores import NEVER_STAMPED, TOKEN_FLAGS, build_token_scan, build_unpack
+from .kernels.stores import (FLAG_CELLS, NEVER_STAMPED, OPEN_GATE, REFUSAL_RING, TOKEN_FLAGS, build_token_scan,
+                             build_unpack)
 from .kv_cache import KVCache
 from .planes import PlaneState, visible_span, window_of
 from .replay import GraphReplay
 from .transfer import Transfer
+
+
+REFUSAL_KINDS = ("a non-finite value in q", "a non-finite value in k", "a non-finite value in v",
+                 "a k value outside the f16 plane's range (|x| <= 65504)",
+                 "a v value outside the f16 plane's range (|x| <= 65504)")  # the scan's flags, in order
 
 
 class Launcher:
@@ -49,10 +55,12 @@ class Launcher:
         self.q, self.k_cur, self.v_cur = (ti.ndarray(ti.f32, self.shapes[n]) for n in ("q", "k", "v"))
         self.q_dev = self.q  # the queries the producers read this step (step_device's own array, or self.q)
         self.scan = build_token_scan(H, KV, D)
-        # the scan's flags; the one-dispatch step keeps its layer table after them (kernels/one_dispatch.py)
-        self.flags = ti.ndarray(ti.i32, (TOKEN_FLAGS + L,))
+        # the scan's flags (a summary and a ring of every token's, stores.build_token_scan); the one-dispatch
+        # step keeps its layer table after them (kernels/one_dispatch.py)
+        self.flags = ti.ndarray(ti.i32, (FLAG_CELLS + L,))
         self.flags.fill(0)
-        self.scans = 0  # the stamp of the last scan (build_token_scan says why)
+        self.scans = 0  # the stamp of the last scan
+        self.base = 1  # the first stamp the host has not looked at (deferred checks)
         self.transfer = Transfer()  # per-token copies: the CUDA driver's memcpy where it can (transfer.py)
         # Where host copies go through Taichi (Vulkan, Metal), each synchronises the device; there q, k and v
         # go up packed, as the host-array argument of the kernel that unpacks them, which needs no wait
@@ -65,8 +73,8 @@ class Launcher:
             nope, swa = cache.planes[NOPE].layers, cache.planes[SWA].layers
             self.step_kernel = build_step_kernel(D, G, KV, H, len(nope), len(swa), cfg.attention_scale,
                                                  window_of(cfg, NOPE), window_of(cfg, SWA), self.target)
-            table = np.zeros(TOKEN_FLAGS + L, np.int32)  # its layer table, after the flags: NoPE, then SWA layers
-            table[TOKEN_FLAGS:] = nope + swa
+            table = np.zeros(FLAG_CELLS + L, np.int32)  # its layer table, after the flags: NoPE, then SWA layers
+            table[FLAG_CELLS:] = nope + swa
             self.flags.from_numpy(table)
             # and partials for the most workgroups that split can give, made once
             self.step_partials = [self.partials_for(kind, len(layers), gpu_workgroups_per_pair(len(layers) * KV,
@@ -135,19 +143,47 @@ class Launcher:
             return False  # without forced layers a class's layers share its route (Engine._plan)
         return all(st.capacity == cache.planes[kind].state.capacity for kind, st in new_states.items())
 
-    def one_dispatch(self, p: int, new_states: dict[str, PlaneState], k_dev, v_dev, out_dev, gated: bool) -> None:
+    def one_dispatch(self, p: int, new_states: dict[str, PlaneState], k_dev, v_dev, out_dev, gate: str) -> None:
         """The step as one dispatch (kernels/one_dispatch.py): scan, stores, both producers, both reducers.
-        gated: the writes ask the scan's flags (a fresh stamp); else the host has checked the token and the
-        stamp is one no flag ever holds, so nothing the scan finds can hold a write back."""
-        if gated:
+        gate: "token" - the writes ask this token's scan (a fresh stamp; the host reads it after the step);
+        "deferred" - they ask every scan since the host last looked (one refused token holds back every
+        write after it; the host looks at its next synchronisation, Engine.sync); "open" - the host has
+        checked the token and nothing the scan finds holds a write back (Engine.step)."""
+        if gate == "open":
+            stamp, base = NEVER_STAMPED, OPEN_GATE
+        else:
             self.scans += 1
-        stamp = self.scans if gated else NEVER_STAMPED
+            stamp = self.scans
+            base = stamp if gate == "token" else self.base
         n, s = new_states[NOPE], new_states[SWA]  # capacities: the planes' own (no plane grows in this step)
         part_nope, part_swa = self.step_partials
         c = self.cache
-        self.launch(self.step_kernel, self.q_dev, k_dev, v_dev, out_dev, self.flags, stamp, p,
+        self.launch(self.step_kernel, self.q_dev, k_dev, v_dev, out_dev, self.flags, stamp, base, p,
                     c.k[NOPE], c.v[NOPE], part_nope, n.origin_logical, n.origin_physical,
                     c.k[SWA], c.v[SWA], part_swa, s.origin_logical, s.origin_physical)
+
+    @property
+    def unlooked(self) -> int:
+        """Scans since the host last looked at the flags (deferred checks keep at most REFUSAL_RING)."""
+        return self.scans - self.base + 1
+
+    def look(self) -> tuple[int, list[str]] | None:
+        """Read the flags once (one device wait): the first token refused since the last look, as (its stamp,
+        what was wrong with it), or None; either way every scan so far is then looked at."""
+        start, end = self.base, self.scans
+        if end < start:
+            return None
+        flags = self.transfer.download(self.flags, self.flags.shape)
+        self.base = end + 1
+        if flags[:TOKEN_FLAGS].max() < start:
+            return None
+        for stamp in range(start, end + 1):
+            cells = flags[TOKEN_FLAGS * (1 + stamp % REFUSAL_RING):][:TOKEN_FLAGS]
+            kinds = [REFUSAL_KINDS[i] for i in range(TOKEN_FLAGS) if cells[i] == stamp]
+            if kinds:
+                return stamp, kinds
+        raise AssertionError(f"a scan since stamp {start} flagged a token, but the ring of the last "
+                             f"{REFUSAL_RING} scans names none: more scans than the ring holds went unlooked")
 
     def routes(self, p: int, new_states: dict[str, PlaneState], routes, q, k_dev, v_dev, out, out_dev):
         """Each route's dispatches (the graph route); returns (layers on a pinned route, their host output)."""
@@ -231,10 +267,43 @@ class Launcher:
     def refuse_if_flagged(self, q, k, v) -> None:
         """Raise, naming the first bad value, if the last scan (stamp self.scans) flagged the token."""
         flags = self.transfer.download(self.flags, self.flags.shape)[:TOKEN_FLAGS] == self.scans
+        self.base = self.scans + 1  # every scan so far is looked at
         if flags.any():
             inputs.step_token(self.cfg, *self.download_token(q, k, v))
             raise EngineError(f"step_device: the device scan flagged the token ({flags.tolist()}) but its host "
                               f"copy passes the checks")  # a scan that disagrees with the host is a bug: say so
 
 
-__all__ = ["Launcher"]
+
+
+class InFlight:
+    """Deferred checks: the step_device tokens the host has counted but not yet seen the device accept, with
+    what undoes each (the position, the plane states and the routes before it, its route mix)."""
+
+    def __init__(self):
+        self._steps: list[tuple] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._steps)
+
+    def add(self, stamp: int, position: int, states: dict, routes_before: list, mix: tuple) -> None:
+        self._steps.append((stamp, position, states, routes_before, mix))
+
+    def settle(self, refused, cache: KVCache, routes) -> None:
+        """Forget the steps the device accepted; where it refused one (``refused`` = Launcher.look()'s (stamp,
+        what was wrong)), undo it and every step after it, none of which the device wrote, and raise."""
+        steps, self._steps = self._steps, []
+        if refused is None:
+            return
+        stamp, what = refused
+        undone = [step for step in steps if step[0] >= stamp]
+        for _, _, _, routes_before, mix in reversed(undone):
+            routes.undo(mix, routes_before)
+        _, position, states, _, _ = undone[0]
+        cache.restore_states(states, position)
+        raise EngineError(f"step_device: the token at position {position} was refused by the device scan "
+                          f"({'; '.join(what)}); it and the {len(undone) - 1} token(s) after it were not written, and "
+                          f"the engine is back at position {position}")
+
+
+__all__ = ["InFlight", "Launcher"]

@@ -133,6 +133,25 @@ def attend(
     return attention(q, k, v, scale)
 
 
+def over_planes(cfg, cache, routes, q: np.ndarray, k_cur: np.ndarray | None = None,
+                v_cur: np.ndarray | None = None) -> np.ndarray:
+    """float64 attention of every layer for the token before ``cache.position``, over the cache's own f16
+    planes (muser_ti/kv_cache.py), as the kernels address them.  Layers whose route is "interleaved" read
+    the current token from k_cur/v_cur (f32), as that route does; all others read it back from the plane."""
+    p = cache.position - 1
+    layout = {"swa": TOKEN_MAJOR, "nope": HEAD_MAJOR}
+    snap = {kind: cache.halves(kind) for kind in cache.planes}
+    out = np.empty((cfg.n_layers, cfg.n_heads, cfg.head_dim), np.float64)
+    for layer, kind in enumerate(cfg.layer_kinds):
+        kp, vp = snap[kind]
+        slot = cache.slot[layer]
+        current = (k_cur[layer], v_cur[layer]) if routes[layer] == "interleaved" and k_cur is not None else None
+        window = cfg.window if kind == "swa" else 0
+        out[layer] = attend(q[layer], kp[slot], vp[slot], cache.planes[kind].state, p, window, cfg.attention_scale,
+                            layout[kind], current)
+    return out
+
+
 def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
     """max |out - ref| / max |ref|: the figure every accuracy bound in this project is stated in."""
     ref = np.asarray(ref, np.float64)

@@ -69,6 +69,7 @@ class Transfer:
     def __init__(self):
         self.arch = backend.active()
         self._driver = _CudaDriver.load() if self.arch == "cuda" else None
+        self.waits = 0  # downloads so far: each waits for the device (what a step's host cost is made of)
 
     @property
     def path(self) -> str:
@@ -101,6 +102,7 @@ class Transfer:
     def download(self, dev, shape: tuple[int, ...]) -> np.ndarray:
         """A new host array (float32 or int32, as dev) holding dev."""
         out = np.empty(shape, self._host_dtype(dev, shape))
+        self.waits += 1
         addr = self._direct(dev)
         if addr and self._driver.dtoh(out.ctypes.data, addr, out.nbytes) == 0:
             return out

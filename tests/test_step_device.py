@@ -196,3 +196,68 @@ def test_step_device_with_a_mirror_takes_the_host_path_and_the_same_bits(arch):
     for kind in a.eng.mirror.k:
         np.testing.assert_array_equal(a.eng.mirror.k[kind], b.mirror.k[kind])
         np.testing.assert_array_equal(a.eng.mirror.v[kind], b.mirror.v[kind])
+
+
+def test_device_waits_per_token_in_each_mode(arch):
+    """A step_device token costs one device wait with per-token checks (the flags' download) and none with
+    deferred checks, which wait once at sync(); off CUDA and Vulkan (no one-dispatch step) both modes look
+    at every token's flags.  Counted on the engine's transfers, which are its only waits."""
+    cfg = geometry(window=64, **GEOMETRIES["gqa4-d64"])
+    waits = {}
+    for mode in ("per_token", "deferred"):
+        s = Session(mt.Engine(cfg, arch=arch, pinned="off", device_checks=mode), seed=3)
+        s.prefill(70)
+        out = ti.ndarray(ti.f32, (cfg.n_layers, cfg.n_heads, cfg.head_dim))
+        transfer = s.eng.launcher.transfer
+        before = transfer.waits
+        for _ in range(4):
+            s.eng.step_device(*device_arrays(*s.token()), out)
+        waits[mode] = transfer.waits - before
+        before = transfer.waits
+        s.eng.sync()
+        waits[mode + " sync"] = transfer.waits - before
+    deferred = 0 if s.eng.one_dispatch_step else 4
+    assert waits == {"per_token": 4, "per_token sync": 0, "deferred": deferred, "deferred sync": 1 - deferred // 4}
+
+
+def test_deferred_checks_refuse_late_and_roll_back_to_the_refused_token(arch):
+    """Deferred checks: a bad token among good ones goes unnoticed until sync(), which raises for it and
+    leaves the engine where it was before it, planes bit for bit a twin's that never saw it; the device
+    wrote neither it nor the tokens after it (their out buffers keep what they held), and the session goes on."""
+    cfg = geometry(window=64, **GEOMETRIES["gqa4-d64"])
+    s = Session(mt.Engine(cfg, arch=arch, pinned="off", device_checks="deferred"), seed=11)
+    twin = mt.Engine(cfg, arch=arch, pinned="off")
+    s.prefill(70, also=twin)
+    tokens = [s.token() for _ in range(5)]
+    q, k, v = tokens[2]
+    tokens[2] = (q, np.where(np.arange(k.size).reshape(k.shape) == 130, np.inf, k), v)
+    outs = [ti.ndarray(ti.f32, (cfg.n_layers, cfg.n_heads, cfg.head_dim)) for _ in tokens]
+    for out, token in zip(outs, tokens):
+        out.fill(7.0)
+        if not s.eng.one_dispatch_step and token is tokens[2]:  # no deferral there: refused at once
+            with pytest.raises(EngineError, match="k: non-finite value inf at layer 1, kv head 0, d 2"):
+                s.eng.step_device(*device_arrays(*token), out)
+            break
+        s.eng.step_device(*device_arrays(*token), out)
+    else:
+        with pytest.raises(EngineError, match=r"position 72 was refused by the device scan \(a non-finite value in "
+                                              r"k\); it and the 2 token\(s\) after it were not written"):
+            s.eng.sync()
+    for q, k, v in tokens[:2]:
+        twin.step(q, k, v)
+    assert_same_state(s.eng, twin)
+    assert s.eng.route_counts == twin.route_counts
+    for out in outs[2:]:
+        assert (out.to_numpy() == 7.0).all()
+    for q, k, v in tokens[:2]:
+        s.record(k, v)
+    for _ in range(3):  # the session goes on from there, right and equal to the twin's
+        q, k, v = s.token()
+        out = outs[0]
+        s.eng.step_device(*device_arrays(q, k, v), out)
+        expected = twin.step(q, k, v)
+        np.testing.assert_array_equal(out.to_numpy(), expected)
+        s.record(k, v)
+        s.verify(expected, q, k, v)
+    s.eng.sync()
+    assert_same_state(s.eng, twin)

@@ -25,10 +25,11 @@ test_one_dispatch_step_gives_the_graph_routes_bits catches a driver that does.  
   producer still takes the current row from the f32 activations (the bypass), and splitk reads it back
   from the f16 plane as before;
 * the gate: the scan runs first and every write the step makes (the plane rows and ``out``) asks its
-  flags (stores.token_accepted), so a refused token leaves the planes and ``out`` as they were, and the
-  host reads the flags once, after the step (Engine.step_device).  Engine.step checks its numpy token
-  on the host first and passes stores.NEVER_STAMPED, a stamp no flag holds: its writes never wait on
-  the scan.
+  flags since a base stamp (stores.token_accepted), so a refused token leaves the planes and ``out`` as
+  they were.  The host reads the flags after the step (Engine.step_device), or, with deferred checks,
+  at its next synchronisation: one refused token then closes the gate for every token after it until
+  the host has looked.  Engine.step checks its numpy token on the host first and opens the gate
+  (stores.OPEN_GATE): its writes never wait on the scan.
 
 Where it applies: CUDA and Vulkan, a geometry with both layer classes, each on its default route
 (interleaved, splitk), and a step that grows no plane (the grow copy is not gated).  Every other step
@@ -44,7 +45,7 @@ from .reducer import build_reduce
 from .producer import addressing, gpu_work, plan_key, plan_shared
 from .producer.gpu_common import udiv, umod
 from .splitk import gpu_split_func, gpu_workgroups_per_pair
-from .stores import TOKEN_FLAGS, build_token_scan, token_accepted
+from .stores import FLAG_CELLS, build_token_scan, token_accepted
 
 ONE_DISPATCH_ARCHS = ("cuda", "vulkan")
 
@@ -61,12 +62,12 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int,
     What follows from those and the position is computed in the kernel, by the threads that use it:
     both classes' split geometry (splitk.gpu_split_func, what Engine.split_geometry gives) and the planes'
     capacities (their row dimension).  Both classes' layers are one table, NoPE then SWA, kept in
-    ``flags`` after the scan's TOKEN_FLAGS cells (one array fewer);
+    ``flags`` after the scan's FLAG_CELLS cells (one array fewer);
     a class's plane slot is its group index (the groups are the whole classes, in order), so no slot
     tables are bound; this token's plane rows are computed from the plane states' origins, the only
-    per-token numbers besides the position and the stamp."""
+    per-token numbers besides the position, the stamp and the gate's base."""
     D, KV, H, L = head_dim, n_kv, n_heads, n_nope + n_swa
-    LT = TOKEN_FLAGS  # where the layer table starts in flags
+    LT = FLAG_CELLS  # where the layer table starts in flags
 
     def build():
         nope_work, plan = gpu_work(D, heads_per_kv, KV, HEAD_MAJOR, bypass=True, layer_base=LT)
@@ -86,8 +87,8 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int,
         @ti.kernel
         def step(
             q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, out: f32_3d,
-            flags: i32_1d,  # the scan's TOKEN_FLAGS cells, then the model layer of each NoPE, then each SWA layer
-            stamp: ti.i32, position: ti.i32,
+            flags: i32_1d,  # the scan's FLAG_CELLS cells, then the model layer of each NoPE, then each SWA layer
+            stamp: ti.i32, base: ti.i32, position: ti.i32,
             # NoPE (interleaved): planes [slot, kv head, row, word], partials, the plane's origins
             k_nope: packed_plane, v_nope: packed_plane, part_nope: f32_4d, ol_nope: ti.i32, op_nope: ti.i32,
             # SWA (splitk): the same for the ring, [slot, row, kv head, word]
@@ -98,7 +99,7 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int,
                 check(q, k_cur, v_cur, flags, stamp, layer, r, d)
             # 2. this token's rows in both classes' planes, if the scan passed it: a thread per packed word
             for g, kvh, w in ti.ndrange(L, KV, D // HALVES_PER_WORD):
-                if token_accepted(flags, stamp):
+                if token_accepted(flags, base):
                     if g < n_nope:
                         row = at_nope.physical_of(position, k_nope.shape[2], ol_nope, op_nope)
                         at_nope.fused_store(k_cur, v_cur, k_nope, v_nope, flags[LT + g], g, kvh, row, w)
@@ -129,10 +130,10 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int,
             # "Value tmpN does not yet exist" while the reducer had shared arrays.)
             for t in range(L * H * D):
                 if t < n_nope * H * D:
-                    reduce_work(t, part_nope, out, flags, split_nope(position)[0], token_accepted(flags, stamp), LT)
+                    reduce_work(t, part_nope, out, flags, split_nope(position)[0], token_accepted(flags, base), LT)
                 else:
                     reduce_work(t - n_nope * H * D, part_swa, out, flags, split_swa(position)[0],
-                                token_accepted(flags, stamp), LT + n_nope)
+                                token_accepted(flags, base), LT + n_nope)
 
         return step
 

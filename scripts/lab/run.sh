@@ -2,9 +2,10 @@
 # The lab's runner on the lent GPU machine (an H100 or H200, through the device tool): set up Taichi from
 # the carried wheels and the Vulkan loader from the carried .debs, then run one mode:
 #
-#   bench            CUDA and Vulkan: one layer per route (GPU busy time: CUPTI on CUDA, graph replays on
-#                    Vulkan) and 52-layer steps (wall per token), torch SDPA and the copy bandwidth in the
-#                    same processes (BENCH_ARCHS, BENCH_MODES, BENCH_DEPTHS, BENCH_TIMEOUT)
+#   bench            CUDA and Vulkan: one layer per route (GPU busy time: CUPTI on CUDA, for torch SDPA and
+#                    llama.cpp's CUDA kernel too, built here from the carried .ggml; graph replays on Vulkan) and
+#                    52-layer steps (wall per token), the copy bandwidth in the same processes (BENCH_ARCHS,
+#                    BENCH_MODES, BENCH_DEPTHS, BENCH_TIMEOUT)
 #   tests            the suite on CUDA and Vulkan, time-boxed (TEST_WORKERS, TEST_TIMEOUT, TEST_SHARD, TEST_ARGS;
 #                    TEST_IDS: a file of node ids; TEST_CONTINUE=1: what no earlier call on this machine reached,
 #                    TEST_CONTINUE_FROM: logs of earlier calls to count too)
@@ -17,8 +18,8 @@
 #                    tiles; TUNE_VARIANTS), with ptxas's registers and spills per producer
 #   spread           CUDA steps in SPREAD_ROUNDS processes: the host's speed moves between processes
 #
-# Carry .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for tests) and .gl (the Vulkan
-# loader's .debs).  Results and logs land in $OUT; docs/lab/runs.md is the notebook they go into.
+# Carry .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for tests), .gl (the Vulkan
+# loader's .debs) and, for the llama.cpp CUDA peer, .ggml (ggml-python 0.0.45's sdist and Python files).  Results and logs land in $OUT; docs/lab/runs.md is the notebook they go into.
 set -uo pipefail
 what=${1:-bench}
 if [ ! -d /tmp/site/taichi ]; then  # once per machine: later calls on the warm machine reuse it
@@ -29,6 +30,21 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/scripts/lab PYTHONUNBUFFERED=1 ENABLE_TAIC
 export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+
+ggml_cuda() {  # llama.cpp's CUDA kernel as a peer: the pinned ggml-python's vendored ggml, built for CUDA, once a machine
+  # (.ggml carried: ggml-python 0.0.45's sdist and its Python files; about three minutes on 16 cores)
+  [ -f .ggml/ggml_python-0.0.45.tar.gz ] || { echo "== no .ggml carried: the llama.cpp CUDA peer is left out"; return; }
+  if [ ! -f /tmp/ggml_cuda/ggml/lib/libggml-cuda.so ]; then
+    tar xzf .ggml/ggml_python-0.0.45.tar.gz -C /tmp
+    cmake -S /tmp/ggml_python-0.0.45/vendor/ggml -B /tmp/ggml-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON > "$OUT/ggml-cuda-build.log" 2>&1 &&
+      ninja -C /tmp/ggml-build >> "$OUT/ggml-cuda-build.log" 2>&1 || { echo "== ggml CUDA build failed"; tail -20 "$OUT/ggml-cuda-build.log"; return; }
+    mkdir -p /tmp/ggml_cuda && cp -r .ggml/pkg/ggml /tmp/ggml_cuda/ && mkdir -p /tmp/ggml_cuda/ggml/lib
+    find /tmp/ggml-build -name 'libggml*.so' -exec cp {} /tmp/ggml_cuda/ggml/lib/ \;
+  fi
+  export PYTHONPATH=/tmp/ggml_cuda:$PYTHONPATH LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+  python3 -c "from muser_ti.pinned import ggml_cuda; print('== llama.cpp CUDA peer:', ggml_cuda.status())"
+}
 
 bench() {  # name, command...: the command's JSON rows, one line each
   local name=$1; shift
@@ -43,6 +59,7 @@ for line in sys.stdin:
 
 case $what in
 bench)
+  case " ${BENCH_ARCHS-cuda vulkan} " in *" cuda "*) ggml_cuda;; esac
   for arch in ${BENCH_ARCHS-cuda vulkan}; do
     case " ${BENCH_MODES:-layers steps} " in *" layers "*)
       bench $arch-layers timeout ${BENCH_TIMEOUT:-200} python3 scripts/bench.py --arch $arch --mode layers \

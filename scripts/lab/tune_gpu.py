@@ -81,8 +81,8 @@ import numpy as np
 
 import muser_ti as mt
 from muser_ti import inputs
-from muser_ti.cli.bench import (cupti_layer_row, device_token, layer_geometry, prefill, random_token,
-                                rewound_median)
+from muser_ti.cli.bench_common import device_token, layer_geometry, prefill, random_token, rewound_median
+from muser_ti.cli.bench_gpu import cupti_layer_row
 from muser_ti.measure import graph_repeat_us, median_time as median_s, recorded_dispatches
 from muser_ti.measure import profile_calls, summarize_trace
 from muser_ti.kernels.common import HEAD_MAJOR
