@@ -232,8 +232,9 @@ def test_deferred_checks_refuse_late_and_roll_back_to_the_refused_token(arch):
     q, k, v = tokens[2]
     tokens[2] = (q, np.where(np.arange(k.size).reshape(k.shape) == 130, np.inf, k), v)
     outs = [ti.ndarray(ti.f32, (cfg.n_layers, cfg.n_heads, cfg.head_dim)) for _ in tokens]
-    for out, token in zip(outs, tokens):
+    for out in outs:
         out.fill(7.0)
+    for out, token in zip(outs, tokens):
         if not s.eng.one_dispatch_step and token is tokens[2]:  # no deferral there: refused at once
             with pytest.raises(EngineError, match="k: non-finite value inf at layer 1, kv head 0, d 2"):
                 s.eng.step_device(*device_arrays(*token), out)
