@@ -8,7 +8,8 @@
 #                    BENCH_MODES, BENCH_DEPTHS, BENCH_TIMEOUT)
 #   tests            the suite on CUDA and Vulkan, time-boxed (TEST_WORKERS, TEST_TIMEOUT, TEST_SHARD, TEST_ARGS;
 #                    TEST_IDS: a file of node ids; TEST_CONTINUE=1: what no earlier call on this machine reached,
-#                    TEST_CONTINUE_FROM: logs of earlier calls to count too)
+#                    TEST_CONTINUE_FROM: logs of earlier calls to count too; TEST_BUILD_PEER=1: build the llama.cpp
+#                    CUDA peer beside the tests, for the next call's bench)
 #   profile          ncu on one deep NoPE layer's producer: counters and stall reasons with the SASS lines they
 #                    sample most (PROFILE_KERNEL: producer or reduce), and a CUPTI trace of a step
 #   ab OLD NEW       CUDA layers (CUPTI) and steps on two trees in alternating rounds (AB_ROUNDS), each a folder
@@ -19,7 +20,8 @@
 #   spread           CUDA steps in SPREAD_ROUNDS processes: the host's speed moves between processes
 #
 # Carry .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for tests), .gl (the Vulkan
-# loader's .debs) and, for the llama.cpp CUDA peer, .ggml (ggml-python 0.0.45's sdist and Python files).  Results and logs land in $OUT; docs/lab/runs.md is the notebook they go into.
+# loader's .debs) and, for the llama.cpp CUDA peer, .ggml (ggml-python 0.0.45's sdist and Python files).
+# Results and logs land in $OUT; docs/lab/runs.md is the notebook they go into.
 set -uo pipefail
 what=${1:-bench}
 if [ ! -d /tmp/site/taichi ]; then  # once per machine: later calls on the warm machine reuse it
@@ -31,18 +33,25 @@ export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 
-ggml_cuda() {  # llama.cpp's CUDA kernel as a peer: the pinned ggml-python's vendored ggml, built for CUDA, once a machine
-  # (.ggml carried: ggml-python 0.0.45's sdist and its Python files; about three minutes on 16 cores)
-  [ -f .ggml/ggml_python-0.0.45.tar.gz ] || { echo "== no .ggml carried: the llama.cpp CUDA peer is left out"; return; }
-  if [ ! -f /tmp/ggml_cuda/ggml/lib/libggml-cuda.so ]; then
-    tar xzf .ggml/ggml_python-0.0.45.tar.gz -C /tmp
+GGML_PY=/tmp/ggml_cuda  # where the CUDA build of the pinned ggml-python goes (its package, libraries beside it)
+ggml_cuda_build() {  # llama.cpp's CUDA kernel as a peer: the pinned ggml-python's vendored ggml, built for CUDA once a
+  # machine (.ggml carried: ggml-python 0.0.45's sdist and its Python files; ~3 minutes on 16 cores); $1: ninja -j
+  [ -f .ggml/ggml_python-0.0.45.tar.gz ] || { echo "== no .ggml carried: the llama.cpp CUDA peer is left out"; return 1; }
+  [ -f $GGML_PY/ggml/lib/libggml-cuda.so ] && return 0
+  tar xzf .ggml/ggml_python-0.0.45.tar.gz -C /tmp &&
     cmake -S /tmp/ggml_python-0.0.45/vendor/ggml -B /tmp/ggml-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
-      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON > "$OUT/ggml-cuda-build.log" 2>&1 &&
-      ninja -C /tmp/ggml-build >> "$OUT/ggml-cuda-build.log" 2>&1 || { echo "== ggml CUDA build failed"; tail -20 "$OUT/ggml-cuda-build.log"; return; }
-    mkdir -p /tmp/ggml_cuda && cp -r .ggml/pkg/ggml /tmp/ggml_cuda/ && mkdir -p /tmp/ggml_cuda/ggml/lib
-    find /tmp/ggml-build -name 'libggml*.so' -exec cp {} /tmp/ggml_cuda/ggml/lib/ \;
+      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON > /tmp/ggml-cuda-build.log 2>&1 &&
+    ninja -C /tmp/ggml-build -j ${1:-16} >> /tmp/ggml-cuda-build.log 2>&1 &&
+    mkdir -p $GGML_PY && cp -r .ggml/pkg/ggml $GGML_PY/ && mkdir -p $GGML_PY/ggml/lib &&
+    find /tmp/ggml-build -name 'libggml*.so' -exec cp {} $GGML_PY/ggml/lib/ \; ||
+    { echo "== ggml CUDA build failed"; tail -20 /tmp/ggml-cuda-build.log; return 1; }
+}
+ggml_cuda() {  # the peer on PYTHONPATH (built now if no earlier call on this machine built it)
+  if [ -f /tmp/ggml-build.pid ]; then  # a build another mode started in the background: wait for it
+    while kill -0 "$(cat /tmp/ggml-build.pid)" 2>/dev/null; do sleep 2; done; rm -f /tmp/ggml-build.pid
   fi
-  export PYTHONPATH=/tmp/ggml_cuda:$PYTHONPATH LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+  ggml_cuda_build || return
+  export PYTHONPATH=$GGML_PY:$PYTHONPATH LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
   python3 -c "from muser_ti.pinned import ggml_cuda; print('== llama.cpp CUDA peer:', ggml_cuda.status())"
 }
 
@@ -72,6 +81,11 @@ bench)
   done;;
 
 tests)
+  if [ -n "${TEST_BUILD_PEER:-}" ] && [ -f .ggml/ggml_python-0.0.45.tar.gz ]; then  # the peer builds beside the tests,
+    # on a few cores, in a session of its own so it outlives this call while the machine is warm
+    setsid bash -c "$(declare -f ggml_cuda_build); GGML_PY=$GGML_PY; ggml_cuda_build 4" > /tmp/ggml-build.out 2>&1 &
+    echo $! > /tmp/ggml-build.pid
+  fi
   # -v -rfE: each result lands in the log as it happens, so a call cut by its limit still names its failures.  The
   # limit interrupts (SIGINT) and kills 45 s later: an interrupted pytest prints its summary and each process
   # exits, which is when Taichi writes its offline cache, so the next call on the warm machine loads the kernels
