@@ -3,10 +3,11 @@
  * metallib: kernel_flash_attn_ext_pad (when visible % 32 != 0), kernel_flash_attn_ext_vec_f16_dk128_dv128
  * with nwg = 32 workgroups per head, and kernel_flash_attn_ext_vec_reduce.  C ABI: mp_bridge.h.
  *
- * NOT COMPILED OR RUN IN THIS REPOSITORY'S CI: it was written on Linux machines that have no
- * Objective-C Metal toolchain and no Metal device.  Build it on macOS with `make -C metal_pinned bridge`
- * (clang -fobjc-arc, -framework Metal -framework Foundation).  Everything it computes that does not
- * need Metal -- argument structs, function-constant tables, geometry, scratch sizes, the bounds each
+ * NEVER LINKED OR RUN: it was written on Linux machines that have no Metal device.  On Linux it is
+ * compile-checked under ARC against Metal's API signatures (../shared/tools/metal-check/check.sh, run
+ * after every change to this folder; not a CI step).  Build it on macOS with `make -C metal_pinned bridge`
+ * (clang -fobjc-arc, macOS 10.14 and later, -framework Metal Foundation CoreGraphics).  Everything it
+ * computes that does not need Metal -- argument structs, function-constant tables, geometry, scratch sizes, the bounds each
  * kernel reads, SHA-256 and the PIN rules -- lives in fa_plan.c / mp_pin.c, which are compiled and
  * tested on Linux (make check-plan, tests/test_metal_pinned.py).  This file only does the Metal calls.
  *

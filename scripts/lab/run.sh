@@ -5,11 +5,11 @@
 #   bench            CUDA and Vulkan: one layer per route (GPU busy time: CUPTI on CUDA, for torch SDPA and
 #                    llama.cpp's CUDA kernel too, built here from the carried .ggml; graph replays on Vulkan) and
 #                    52-layer steps (wall per token), the copy bandwidth in the same processes (BENCH_ARCHS,
-#                    BENCH_MODES, BENCH_DEPTHS, BENCH_TIMEOUT)
+#                    BENCH_MODES, BENCH_DEPTHS, BENCH_ROUTES, BENCH_REPEATS, BENCH_TIMEOUT)
 #   tests            the suite on CUDA and Vulkan, time-boxed (TEST_WORKERS, TEST_TIMEOUT, TEST_SHARD, TEST_ARGS;
 #                    TEST_IDS: a file of node ids; TEST_CONTINUE=1: what no earlier call on this machine reached,
-#                    TEST_CONTINUE_FROM: logs of earlier calls to count too; TEST_BUILD_PEER=1: build the llama.cpp
-#                    CUDA peer beside the tests, for the next call's bench)
+#                    TEST_CONTINUE_FROM: logs of earlier calls to count too; TEST_BUILD_PEER=N: build the llama.cpp
+#                    CUDA peer beside the tests on N cores, for a later bench)
 #   profile          ncu on one deep NoPE layer's producer: counters and stall reasons with the SASS lines they
 #                    sample most (PROFILE_KERNEL: producer or reduce), and a CUPTI trace of a step
 #   ab OLD NEW       CUDA layers (CUPTI) and steps on two trees in alternating rounds (AB_ROUNDS), each a folder
@@ -20,7 +20,7 @@
 #   spread           CUDA steps in SPREAD_ROUNDS processes: the host's speed moves between processes
 #
 # Carry .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for tests), .gl (the Vulkan
-# loader's .debs) and, for the llama.cpp CUDA peer, .ggml (ggml-python 0.0.45's sdist and Python files).
+# loader's .debs) and, for the llama.cpp CUDA peer, .ggml (ggml-python 0.0.45's sdist).
 # Results and logs land in $OUT; docs/lab/runs.md is the notebook they go into.
 set -uo pipefail
 what=${1:-bench}
@@ -33,25 +33,24 @@ export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 
-GGML_PY=/tmp/ggml_cuda  # where the CUDA build of the pinned ggml-python goes (its package, libraries beside it)
+GGML_CUDA=/tmp/ggml_cuda  # the CUDA build of the pinned ggml's libraries (MUSER_GGML_CUDA_DIR for the bench)
 ggml_cuda_build() {  # llama.cpp's CUDA kernel as a peer: the pinned ggml-python's vendored ggml, built for CUDA once a
-  # machine (.ggml carried: ggml-python 0.0.45's sdist and its Python files; ~3 minutes on 16 cores); $1: ninja -j
+  # machine (.ggml carried: ggml-python 0.0.45's sdist; ~3 minutes on 16 cores); $1: ninja's jobs
   [ -f .ggml/ggml_python-0.0.45.tar.gz ] || { echo "== no .ggml carried: the llama.cpp CUDA peer is left out"; return 1; }
-  [ -f $GGML_PY/ggml/lib/libggml-cuda.so ] && return 0
+  [ -f $GGML_CUDA/libggml-cuda.so ] && return 0
   tar xzf .ggml/ggml_python-0.0.45.tar.gz -C /tmp &&
     cmake -S /tmp/ggml_python-0.0.45/vendor/ggml -B /tmp/ggml-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON > /tmp/ggml-cuda-build.log 2>&1 &&
-    ninja -C /tmp/ggml-build -j ${1:-16} >> /tmp/ggml-cuda-build.log 2>&1 &&
-    mkdir -p $GGML_PY && cp -r .ggml/pkg/ggml $GGML_PY/ && mkdir -p $GGML_PY/ggml/lib &&
-    find /tmp/ggml-build -name 'libggml*.so' -exec cp {} $GGML_PY/ggml/lib/ \; ||
+    ninja -C /tmp/ggml-build -j ${1:-16} ggml-base ggml-cuda >> /tmp/ggml-cuda-build.log 2>&1 &&
+    mkdir -p $GGML_CUDA && find /tmp/ggml-build -name 'libggml*.so' -exec cp {} $GGML_CUDA/ \; ||
     { echo "== ggml CUDA build failed"; tail -20 /tmp/ggml-cuda-build.log; return 1; }
 }
-ggml_cuda() {  # the peer on PYTHONPATH (built now if no earlier call on this machine built it)
+ggml_cuda() {  # the peer for the bench (built now if no earlier call on this machine built it)
   if [ -f /tmp/ggml-build.pid ]; then  # a build another mode started in the background: wait for it
     while kill -0 "$(cat /tmp/ggml-build.pid)" 2>/dev/null; do sleep 2; done; rm -f /tmp/ggml-build.pid
   fi
   ggml_cuda_build || return
-  export PYTHONPATH=$GGML_PY:$PYTHONPATH LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+  export MUSER_GGML_CUDA_DIR=$GGML_CUDA LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
   python3 -c "from muser_ti.pinned import ggml_cuda; print('== llama.cpp CUDA peer:', ggml_cuda.status())"
 }
 
@@ -72,18 +71,20 @@ bench)
   for arch in ${BENCH_ARCHS-cuda vulkan}; do
     case " ${BENCH_MODES:-layers steps} " in *" layers "*)
       bench $arch-layers timeout ${BENCH_TIMEOUT:-200} python3 scripts/bench.py --arch $arch --mode layers \
-        --layer-depths ${BENCH_DEPTHS:-2048,32768,131072} --routes interleaved,splitk --repeats 15 --json "$OUT/$arch-layers.json";;
+        --layer-depths ${BENCH_DEPTHS:-2048,32768,131072} --routes ${BENCH_ROUTES:-interleaved,splitk} \
+        --repeats ${BENCH_REPEATS:-15} --json "$OUT/$arch-layers.json";;
     esac
     case " ${BENCH_MODES:-layers steps} " in *" steps "*)  # a cold CUDA step build takes over 150 s
       bench $arch-steps timeout ${BENCH_TIMEOUT:-360} python3 scripts/bench.py --arch $arch --mode steps \
-        --step-depths ${BENCH_DEPTHS:-2048,32768,131072} --repeats 15 --json "$OUT/$arch-steps.json";;
+        --step-depths ${BENCH_DEPTHS:-2048,32768,131072} --repeats ${BENCH_REPEATS:-15} --json "$OUT/$arch-steps.json";;
     esac
   done;;
 
 tests)
   if [ -n "${TEST_BUILD_PEER:-}" ] && [ -f .ggml/ggml_python-0.0.45.tar.gz ]; then  # the peer builds beside the tests,
     # on a few cores, in a session of its own so it outlives this call while the machine is warm
-    setsid bash -c "$(declare -f ggml_cuda_build); GGML_PY=$GGML_PY; ggml_cuda_build 4" > /tmp/ggml-build.out 2>&1 &
+    setsid bash -c "$(declare -f ggml_cuda_build); GGML_CUDA=$GGML_CUDA; ggml_cuda_build $TEST_BUILD_PEER" \
+      > /tmp/ggml-build.out 2>&1 &
     echo $! > /tmp/ggml-build.pid
   fi
   # -v -rfE: each result lands in the log as it happens, so a call cut by its limit still names its failures.  The
