@@ -7,9 +7,10 @@ the lab's runner builds on the GPU machine (scripts/lab/run.sh).  It is bound he
 calls, rather than through ggml-python, whose 0.0.45 bindings ask for CUDA symbols v0.15.3 does not have.
 
 It attends one query of ``n_heads`` heads over ``n_keys`` f16 rows of ``n_kv_heads`` heads, as llama.cpp's
-graph does: ggml_flash_attn_ext with the F32 precision llama.cpp sets on every attention node
-(llama-graph's build_attn_mha), no mask (the key count is a multiple of 256, llama's padding), so ggml
-picks the kernel it would for this shape (its tensor-core kernel at depth, the GQA heads as columns).
+graph does: ggml_flash_attn_ext with a mask (all zeros here: every key visible) and the F32 precision
+llama.cpp sets on every attention node (llama-graph's build_attn_mha), over a key count that is a multiple
+of 256 (llama's padding), so ggml picks the kernel it would: without a mask ggml v0.15.3 does not pack the
+GQA heads as the tensor-core kernel's columns (fattn.cu, use_gqa_opt), and the peer would not be llama.cpp's.
 """
 
 from __future__ import annotations
@@ -107,11 +108,14 @@ class GgmlCudaAttn:
         self._q = g.ggml_new_tensor_4d(self._ctx, GGML_TYPE_F32, D, 1, H, 1)  # [D, n_q, H, 1]
         self._k = g.ggml_new_tensor_4d(self._ctx, GGML_TYPE_F16, D, n_keys, KV, 1)  # head-major rows
         self._v = g.ggml_new_tensor_4d(self._ctx, GGML_TYPE_F16, D, n_keys, KV, 1)
-        self._out = g.ggml_flash_attn_ext(self._ctx, self._q, self._k, self._v, None, scale, 0.0, 0.0)
+        self._mask = g.ggml_new_tensor_4d(self._ctx, GGML_TYPE_F16, n_keys, 1, 1, 1)  # [n_kv, n_q, 1, 1]
+        self._out = g.ggml_flash_attn_ext(self._ctx, self._q, self._k, self._v, self._mask, scale, 0.0, 0.0)
         g.ggml_flash_attn_ext_set_prec(self._out, GGML_PREC_F32)
         self._graph = g.ggml_new_graph(self._ctx)
         g.ggml_build_forward_expand(self._graph, self._out)
         self._buffer = g.ggml_backend_alloc_ctx_tensors(self._ctx, self._backend)
+        zeros = np.zeros(n_keys, np.float16)
+        g.ggml_backend_tensor_set(self._mask, zeros.ctypes.data, 0, zeros.nbytes)
         self._host_out = np.empty((H, D), np.float32)  # [DV, H, n_q] in ggml's order is C [H, D]
 
     def load(self, k: np.ndarray, v: np.ndarray) -> None:
