@@ -26,6 +26,8 @@ NOPE = "nope"
 LAYER_KINDS = (SWA, NOPE)
 HEAD_DIMS = (64, 128, 256)
 KV_DTYPE_BYTES = 2  # K and V are stored as f16
+F16_MAX = 65504.0  # the largest finite f16: what the planes (and so q, k and v) may hold
+F32_MAX = 3.4028234663852886e38
 
 
 
@@ -111,8 +113,14 @@ _MAX_CONTEXT = 1 << 24  # int32 row arithmetic in the kernels stays far from ove
 _MAX_PLANE_ELEMENTS = 1 << 31  # a class's plane, indexed with 32 bits (see _validate)
 
 
+def _shown(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to ``limit`` characters: an error message never prints a whole hostile value."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 def _fail(source: str, field_name: str, value: Any, expected: str) -> ConfigError:
-    return ConfigError(f"{source}: field '{field_name}': got {value!r}; expected {expected}")
+    return ConfigError(f"{source}: field '{field_name}': got {_shown(value)}; expected {expected}")
 
 
 def _int_field(raw: dict, source: str, name: str, lo: int, hi: int) -> int:
@@ -127,9 +135,9 @@ def _int_field(raw: dict, source: str, name: str, lo: int, hi: int) -> int:
 def _validate(raw: Any, source: str) -> Geometry:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of fields at the top level, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(_FIELDS))
+    unknown = sorted((k for k in raw if k not in _FIELDS), key=repr)
     if unknown:
-        raise ConfigError(f"{source}: unknown field(s) {unknown}; allowed fields are {list(_FIELDS)}")
+        raise ConfigError(f"{source}: unknown field(s) {_shown(unknown)}; allowed fields are {list(_FIELDS)}")
     missing = [f for f in _REQUIRED if f not in raw]
     if missing:
         raise ConfigError(f"{source}: missing required field(s) {missing}")
@@ -142,8 +150,8 @@ def _validate(raw: Any, source: str) -> Geometry:
     if n_heads % n_kv_heads:
         raise _fail(source, "n_kv_heads", n_kv_heads, f"a divisor of n_heads={n_heads} (grouped-query attention)")
     head_dim = raw["head_dim"]
-    if head_dim not in HEAD_DIMS or isinstance(head_dim, bool):
-        raise _fail(source, "head_dim", head_dim, f"one of {list(HEAD_DIMS)}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim not in HEAD_DIMS:
+        raise _fail(source, "head_dim", head_dim, f"one of the integers {list(HEAD_DIMS)}")
     n_layers = _int_field(raw, source, "n_layers", 1, _MAX_LAYERS)
     pattern = raw["layer_pattern"]
     if isinstance(pattern, str):
@@ -159,8 +167,13 @@ def _validate(raw: Any, source: str) -> Geometry:
     scale = raw["attention_scale"]
     if scale == "auto":
         scale = 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
-        raise _fail(source, "attention_scale", raw["attention_scale"], "'auto' (1/sqrt(head_dim)) or a positive finite number")
+    # the largest score the planes allow (|q|, |k| <= 65504, the f16 range) must stay a finite f32 after the scale,
+    # or every output is NaN (inf - inf in the softmax)
+    top = F32_MAX / (F16_MAX * F16_MAX * head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and 0 < scale <= top):
+        raise _fail(source, "attention_scale", raw["attention_scale"],
+                    f"'auto' (1/sqrt(head_dim)) or a number in (0, {top:.3g}] (larger turns the largest scores the f16 "
+                    f"planes allow into inf in f32)")
 
     weight_bytes = _int_field(raw, source, "weight_stream_bytes", 0, 1 << 50) if "weight_stream_bytes" in raw else 0
     slack = _int_field(raw, source, "swa_ring_slack", 0, max_context) if "swa_ring_slack" in raw else 0
@@ -201,12 +214,34 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     return p
 
 
+class StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without aliases and without duplicate keys.  An alias repeats a node, so a file
+    of a few hundred bytes can expand to gigabytes (and an error message printing the value with it); YAML's
+    specification refuses duplicate keys, which PyYAML would silently resolve to the last."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed here",
+                                              self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {_shown(key)}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: Path, missing: str, error: type[Exception] = ConfigError):
-    """Parse a YAML file, or raise ``error`` naming the file (``missing`` says what absence means)."""
+    """Parse a YAML file (StrictLoader), or raise ``error`` naming the file (``missing`` says what absence
+    means)."""
     if not path.is_file():
         raise error(f"{path}: {missing}")
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(path.read_text(), Loader=StrictLoader)
     except yaml.YAMLError as exc:
         raise error(f"{path}: not valid YAML: {exc}") from None
 

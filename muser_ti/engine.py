@@ -24,7 +24,7 @@ from .errors import EngineError, PinnedUnavailable, PlaneError
 from .kv_cache import LAYOUT_OF, KVCache
 from .kernels.stores import REFUSAL_RING
 from .launch import InFlight, Launcher
-from .pinned import mirror as plane_mirror, pinned_status
+from .pinned import AUTO_REASON, mirror as plane_mirror, pinned_status
 from .pinned.vec import VecRung
 from .planes import PlaneState, visible_span
 from .reference import over_planes
@@ -42,7 +42,9 @@ def pinned_library_status(arch: str = "auto") -> tuple[bool, str]:
 class Engine:
     """Decode attention over a model's planes, route by route.
 
-    arch: "auto" | "cpu" | "cuda" | "vulkan" | "metal"; pinned: "auto" | "on" | "off";
+    arch: "auto" | "cpu" | "cuda" | "vulkan" | "metal"; pinned: "auto" (the project's own routes wherever the
+    pinned rung's numerics cannot be trusted on every accepted input: everywhere today, pinned/__init__.py) |
+    "on" (llama.cpp's kernel where it is loaded: its bits, its bound) | "off";
     graph: "teacher" (read wrapped rings directly) | "serving" (llama's cell order; needs the pinned rung).
     force: a route name (for the layers of its class) or {layer: route}, for diagnosis.  A forced route
     whose predicate fails raises RouteError at the step, before anything is written.
@@ -61,17 +63,19 @@ class Engine:
         inputs.choice("pinned", pinned, PINNED_MODES)
         inputs.choice("device_checks", device_checks, DEVICE_CHECKS)
         inputs.choice("graph", graph, GRAPHS)
-        inputs.capacity(capacity)
+        capacity = inputs.capacity(cfg, capacity)
         inputs.choice("mirror", mirror, plane_mirror.MIRRORS)
         loaded, why = pinned_library_status(arch)
         if pinned == "on" and not loaded:
             raise PinnedUnavailable(f"pinned='on' but the pinned library is not loaded: {why}")
         if pinned == "off":
             loaded, why = False, "disabled (pinned='off')"
+        elif pinned == "auto" and loaded:
+            loaded, why = False, f"{why} is there, but {AUTO_REASON}"
         if graph == "serving" and not loaded:
             raise PinnedUnavailable(
                 f"graph='serving' stages SWA rows into llama.cpp's cell order for the pinned kernel, which is "
-                f"not loaded: {why}")
+                f"not in use: {why}")
         self.cfg = cfg
         self.arch = backend.activate(arch)
         self.pinned_loaded, self.pinned_description = loaded, why

@@ -2,17 +2,19 @@
 
 A value that fails is refused with an EngineError naming the argument, the value (and where in an
 array) and what is allowed, before anything is written.  The planes hold f16, so K and V must fit its
-range; every array must be finite.
+range, and so must Q (the pinned rung rounds it to f16, and the scores stay finite in f32 for every
+accepted scale: config.py); every array must be finite, a real numpy array (a masked array's mask would
+be ignored), of a floating dtype; an integer argument is a Python or numpy integer, never a bool.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .config import Geometry
+from .config import F16_MAX, NOPE, SWA, Geometry
 from .errors import EngineError
 
-F16_MAX = 65504.0  # the largest finite f16: the planes' range
+PLANE_ELEMENTS_MAX = 1 << 31  # a class's plane is indexed with 32 bits (config.py checks the geometry's own)
 
 
 def token_shapes(cfg: Geometry) -> dict[str, tuple[int, int, int]]:
@@ -26,14 +28,34 @@ def choice(name: str, value, allowed) -> None:
         raise EngineError(f"{name}={value!r}; expected one of {list(allowed)}")
 
 
-def capacity(value) -> None:
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise EngineError(f"capacity={value!r}; expected a positive integer")
+def integer(name: str, value) -> int:
+    """A Python or numpy integer (not a bool), as int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise EngineError(f"{name}={value!r}: expected an integer, got {type(value).__name__}")
+    return int(value)
+
+
+def capacity(cfg: Geometry, value) -> int | None:
+    """The per-session capacity: a positive integer whose planes stay under 2**31 elements (checked before any
+    allocation: past it Taichi's 32-bit indexing wraps and the process crashes)."""
+    if value is None:
+        return None
+    value = integer("capacity", value)
+    if value < 1:
+        raise EngineError(f"capacity={value}: expected a positive integer")
+    for kind, layers, rows in ((SWA, cfg.swa_layers, value), (NOPE, cfg.nope_layers, min(value, cfg.max_context))):
+        elements = len(layers) * cfg.n_kv_heads * rows * cfg.head_dim
+        if elements >= PLANE_ELEMENTS_MAX:
+            most = (PLANE_ELEMENTS_MAX - 1) // (len(layers) * cfg.n_kv_heads * cfg.head_dim)
+            raise EngineError(f"capacity={value}: the {kind} plane would hold {elements:,} elements ({len(layers)} layers x "
+                              f"{cfg.n_kv_heads} kv heads x {rows} rows x head_dim {cfg.head_dim}), past the 2**31 Taichi "
+                              f"indexes; expected at most {most:,} for this geometry")
+    return value
 
 
 def position(name: str, value, hi: int) -> int:
     """An absolute position in [0, hi]: a Python or numpy integer, not a bool."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= hi:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value <= hi:
         raise EngineError(f"{name} to {value!r}: expected an integer in [0, {hi}] (the current position)")
     return int(value)
 
@@ -47,8 +69,9 @@ def _where(name: str, idx: tuple[int, ...]) -> str:
 
 def host_array(name: str, a, shape: tuple[int, ...]) -> np.ndarray:
     """A finite float array of ``shape``, as C-contiguous float32."""
-    if not isinstance(a, np.ndarray):
-        raise EngineError(f"{name}: expected a numpy array, got {type(a).__name__}")
+    if not isinstance(a, np.ndarray) or isinstance(a, np.ma.MaskedArray):
+        raise EngineError(f"{name}: expected a numpy array (not a masked one: its mask would be ignored), got "
+                          f"{type(a).__name__}")
     if a.shape != shape:
         raise EngineError(f"{name}: shape {a.shape}, expected {shape}")
     if a.dtype not in (np.float32, np.float64, np.float16):
@@ -61,11 +84,12 @@ def host_array(name: str, a, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def f16_range(name: str, a: np.ndarray) -> None:
-    """K and V are stored as f16: a value past its range would become inf in the plane."""
+    """K and V are stored as f16 (a value past its range would become inf in the plane); Q is held to the same
+    range (the pinned rung rounds it to f16; config.py bounds the scale for it)."""
     if a.size and max(float(a.max()), -float(a.min())) > F16_MAX:
         idx = tuple(int(i) for i in np.argwhere(np.abs(a) > F16_MAX)[0])
-        raise EngineError(f"{name}: value {a[idx]:.6g} at {_where(name.split()[-1], idx)} overflows the f16 plane "
-                          f"(|x| <= {F16_MAX:.0f})")
+        what = "overflows the f16 plane" if name.split()[-1] in ("k", "v") else "is outside the f16 range q is held to"
+        raise EngineError(f"{name}: value {a[idx]:.6g} at {_where(name.split()[-1], idx)} {what} (|x| <= {F16_MAX:.0f})")
 
 
 def prefill_tokens(cfg: Geometry, k, v) -> tuple[np.ndarray, np.ndarray]:
@@ -84,8 +108,8 @@ def step_token(cfg: Geometry, q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarr
     """One decode token's q, k, v, checked (step()'s messages; step_device's refusals name the same)."""
     shapes = token_shapes(cfg)
     q, k, v = (host_array(name, a, shapes[name]) for name, a in (("q", q), ("k", k), ("v", v)))
-    f16_range("k", k)
-    f16_range("v", v)
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        f16_range(name, a)
     return q, k, v
 
 
@@ -101,5 +125,5 @@ def device_token(cfg: Geometry, arrays: dict) -> None:
             raise EngineError(f"step_device {name}: expected a Taichi float32 ndarray of shape {shapes[name]}, got {got}")
 
 
-__all__ = ["F16_MAX", "capacity", "choice", "device_token", "f16_range", "host_array", "position", "prefill_tokens",
+__all__ = ["capacity", "choice", "device_token", "f16_range", "host_array", "integer", "position", "prefill_tokens",
            "step_token", "token_shapes"]

@@ -30,7 +30,8 @@ from .transfer import Transfer
 
 REFUSAL_KINDS = ("a non-finite value in q", "a non-finite value in k", "a non-finite value in v",
                  "a k value outside the f16 plane's range (|x| <= 65504)",
-                 "a v value outside the f16 plane's range (|x| <= 65504)")  # the scan's flags, in order
+                 "a v value outside the f16 plane's range (|x| <= 65504)",
+                 "a q value outside the f16 range (|x| <= 65504)")  # the scan's flags, in order
 
 
 class Launcher:

@@ -111,7 +111,7 @@ def test_refused_input_leaves_the_serving_cache_alone(arch):
     if not mt.pinned_library_status(arch)[0]:
         pytest.skip(f"the serving graph needs the pinned rung, not loaded for arch {arch}")
     cfg = geometry(window=16, slack=8, **D64)
-    eng = mt.Engine(cfg, arch=arch, graph="serving")
+    eng = mt.Engine(cfg, arch=arch, pinned="on", graph="serving")
     s = Session(eng, seed=3)
     s.prefill(40)
     s.step()

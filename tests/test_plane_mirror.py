@@ -122,7 +122,7 @@ def test_f16_rounding_of_awkward_values_matches_the_store_kernels(arch, graph):
     special = np.array(ties + [-x for x in ties] + [-0.0, 0.0, 65504.0, -65504.0, 65503.9, 6.1e-5, 6.0e-5,
                                                     5.96e-8, 2.9e-8, 1e-10, 0.1, 1 / 3, 2 / 3, 1e4 + 0.5], f)
     cfg = geometry(window=32, **GEOMETRIES["gqa4-d64"])
-    eng = mt.Engine(cfg, arch=arch, mirror="host", graph=graph)
+    eng = mt.Engine(cfg, arch=arch, mirror="host", graph=graph, pinned="on" if graph == "serving" else "auto")
     rng = np.random.default_rng(3)
     L, H, KV, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 

@@ -82,8 +82,8 @@ def sessions(draw, arch, tiny=False, pinned=None):
     cfg = geometry(**heads, window=window, slack=slack, n_layers=n_layers, pattern=tuple(pattern),
                    max_context=max_context)
     if pinned is None:
-        pinned = draw(st.sampled_from(["off", "auto"])) if mt.pinned_library_status(arch)[0] else "off"
-    graph = draw(st.sampled_from(["teacher", "serving"])) if pinned == "auto" and cfg.swa_layers else "teacher"
+        pinned = draw(st.sampled_from(["off", "on"])) if mt.pinned_library_status(arch)[0] else "off"
+    graph = draw(st.sampled_from(["teacher", "serving"])) if pinned == "on" and cfg.swa_layers else "teacher"
     # (sessions.Session aims "peaked"/"sink" queries at a past token inside the window; with window 1
     # there is none, so those two need window >= 2)
     # The pinned CPU rung is llama.cpp's ggml kernel, which accumulates V in f16: with |V| near the f16
@@ -241,7 +241,7 @@ def _run_session(arch, spec, tmp_path, strict=False):
 
 
 def _sessions_test(arch, tmp_path, n, pinned):
-    if pinned == "auto" and not mt.pinned_library_status(arch)[0]:
+    if pinned == "on" and not mt.pinned_library_status(arch)[0]:
         pytest.skip(f"the pinned rung is not loaded for arch {arch}: {mt.pinned_library_status(arch)[1]}")
 
     @settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -251,7 +251,7 @@ def _sessions_test(arch, tmp_path, n, pinned):
     check()
 
 
-@pytest.mark.parametrize("pinned", ["off", "auto"], ids=["own-routes", "pinned-rung"])
+@pytest.mark.parametrize("pinned", ["off", "on"], ids=["own-routes", "pinned-rung"])
 def test_random_sessions_match_the_reference_and_resume_bit_for_bit(arch, tmp_path, pinned):
     _sessions_test(arch, tmp_path, examples(arch), pinned)
 
@@ -268,7 +268,7 @@ def test_the_large_input_session_that_passed_the_f32_bound(arch, tmp_path):
     assert eng.position == 111 + 5 + 27
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pinned", ["off", "auto"], ids=["own-routes", "pinned-rung"])
+@pytest.mark.parametrize("pinned", ["off", "on"], ids=["own-routes", "pinned-rung"])
 def test_random_sessions_long(arch, tmp_path, pinned):
     _sessions_test(arch, tmp_path, examples(arch, slow=True), pinned)
 

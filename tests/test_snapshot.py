@@ -52,8 +52,8 @@ SCENARIOS = {
 
 MODES = {  # Engine kwargs per route family
     "own": dict(pinned="off"),
-    "pinned": dict(pinned="auto"),
-    "serving": dict(pinned="auto", graph="serving"),
+    "pinned": dict(pinned="on"),
+    "serving": dict(pinned="on", graph="serving"),
 }
 
 
@@ -99,7 +99,7 @@ def assert_live_equal(a, b):
 
 def needs(mode, arch):
     kwargs = MODES[mode]
-    if kwargs["pinned"] == "auto" and not mt.pinned_library_status(arch)[0]:
+    if kwargs["pinned"] == "on" and not mt.pinned_library_status(arch)[0]:
         pytest.skip(f"the pinned rung is not loaded for arch {arch}: {mt.pinned_library_status(arch)[1]}")
     return kwargs
 
@@ -304,10 +304,10 @@ def test_serving_engine_refuses_a_teacher_snapshot(arch, tmp_path):
     if not mt.pinned_library_status(arch)[0]:
         pytest.skip(f"the pinned rung is not loaded for arch {arch}")
     cfg = geometry(window=48, **D64)
-    teacher = mt.Engine(cfg, arch=arch, pinned="auto")
+    teacher = mt.Engine(cfg, arch=arch, pinned="on")
     Session(teacher, seed=1).prefill(40)
     teacher.save(tmp_path / "t.safetensors")
-    serving = mt.Engine(cfg, arch=arch, graph="serving")
+    serving = mt.Engine(cfg, arch=arch, pinned="on", graph="serving")
     before = live(serving)
     with pytest.raises(SnapshotError, match="saved from graph='teacher'"):
         serving.load(tmp_path / "t.safetensors")

@@ -56,11 +56,18 @@ def test_unknown_run_option_and_top_level_key(tmp_path, no_engine):
         sweep.load_sweep(p)
 
 
-@pytest.mark.parametrize("axes", [{"pinned": ["off", "on"]}, {"graph": ["teacher", "serving"]}])
-def test_pinned_on_or_serving_rejected_without_the_library(tmp_path, no_engine, monkeypatch, axes):
+@pytest.mark.parametrize("axes, fixed", [({"pinned": ["off", "on"]}, None),
+                                         ({"graph": ["teacher", "serving"]}, {"arch": "cpu", "pinned": "on"})])
+def test_pinned_on_or_serving_rejected_without_the_library(tmp_path, no_engine, monkeypatch, axes, fixed):
     monkeypatch.setattr(mt, "pinned_library_status", lambda *a, **k: (False, "no library in this test"))
     with pytest.raises(sweep.SweepError, match="needs the pinned llama library.*no library in this test"):
-        sweep.load_sweep(_write(tmp_path, axes))
+        sweep.load_sweep(_write(tmp_path, axes, fixed))
+
+
+def test_serving_needs_pinned_on(tmp_path, no_engine):
+    """pinned=auto never takes the rung (its f16 accumulator), so the serving graph asks for pinned=on."""
+    with pytest.raises(sweep.SweepError, match="graph=serving .* needs pinned=on"):
+        sweep.load_sweep(_write(tmp_path, {"graph": ["teacher", "serving"]}))
 
 
 def test_yaml_bare_off_means_pinned_off(tmp_path, no_engine):

@@ -123,7 +123,9 @@ def _resolve_point(src: str, base: mt.Geometry, values: dict) -> Point:
             ps.check_append(depth - 1)
         except PlaneError as exc:
             raise SweepError(f"{src}: point {values}: {exc}") from None
-    if engine["pinned"] == "on" or engine["graph"] == "serving":
+    if engine["graph"] == "serving" and engine["pinned"] != "on":
+        raise SweepError(f"{src}: point {values}: graph=serving stages llama.cpp's cells for its kernel: it needs pinned=on")
+    if engine["pinned"] == "on":
         loaded, why = _pinned_status(engine["arch"])
         if not loaded:
             what = "pinned=on" if engine["pinned"] == "on" else "graph=serving"

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import taichi as ti
 
+from ..config import F16_MAX, F32_MAX
 from .common import HEAD_MAJOR, TOKEN_MAJOR, cached, f32_3d, f32_4d, i32_1d
 from .halves import HALVES_PER_WORD, pack, packed_plane
 
@@ -85,13 +86,11 @@ def build_unpack(n_heads: int, n_kv: int, head_dim: int):
     return cached(("unpack", H, KV, D), build)
 
 
-TOKEN_FLAGS = 5  # non-finite q, k, v values; k, v values outside the f16 range (|x| > 65504)
+TOKEN_FLAGS = 6  # non-finite q, k, v values; k, v values outside the f16 range (|x| > 65504); q values outside it
 NEVER_STAMPED = -1  # flags start at 0 and only rise (atomic_max of stamps >= 1): no flag ever equals it
 OPEN_GATE = 2**31 - 1  # a gate base no flag reaches: writes never wait on the scan (a host-checked token)
 REFUSAL_RING = 256  # tokens whose flags are kept one by one between two looks at them (deferred checks)
 FLAG_CELLS = TOKEN_FLAGS * (1 + REFUSAL_RING)  # the summary, then the ring; a layer table may follow
-F16_MAX = 65504.0
-F32_MAX = 3.4028234663852886e38
 
 
 def build_token_scan(n_heads: int, n_kv: int, head_dim: int):
@@ -125,8 +124,8 @@ def build_token_scan(n_heads: int, n_kv: int, head_dim: int):
             a = ti.abs(x)
             if not a <= F32_MAX:
                 flag(flags, stamp, kind)
-            elif kind > 0 and a > F16_MAX:
-                flag(flags, stamp, kind + 2)
+            elif a > F16_MAX:
+                flag(flags, stamp, kind + 2 if kind > 0 else 5)
 
         @ti.kernel
         def scan(q: f32_3d, k: f32_3d, v: f32_3d, flags: ti.types.ndarray(dtype=ti.i32, ndim=1), stamp: ti.i32):
