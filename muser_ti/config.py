@@ -111,6 +111,7 @@ _MAX_HEADS = 1024
 _MAX_LAYERS = 4096
 _MAX_CONTEXT = 1 << 24  # int32 row arithmetic in the kernels stays far from overflow
 _MAX_PLANE_ELEMENTS = 1 << 31  # a class's plane, indexed with 32 bits (see _validate)
+_MAX_TOKEN_ELEMENTS = 1 << 26  # a token's q (and output): 256 MiB of f32, 12,800x Glimmer's
 
 
 def _shown(value: Any, limit: int = 80) -> str:
@@ -194,6 +195,11 @@ def _validate(raw: Any, source: str) -> Geometry:
         n_ubatch=n_ubatch,
         source=source,
     )
+    # A token's q and output arrays [layers, heads, head_dim] f32, which every engine allocates
+    tokens = n_layers * n_heads * head_dim
+    if tokens > _MAX_TOKEN_ELEMENTS:
+        raise _fail(source, "n_layers", n_layers, f"a token of at most {_MAX_TOKEN_ELEMENTS:,} elements (n_layers x n_heads "
+                    f"x head_dim = {tokens:,}: its q and output arrays alone would take {8 * tokens / 2**30:.1f} GiB)")
     # One class's layers share a plane; Taichi indexes an ndarray with 32-bit arithmetic (and the GPU
     # producer with flat row indices, kernels/producer.py plane_flat), so a plane stays under 2**31 elements.
     for kind, layers, rows, field_name in ((NOPE, geom.nope_layers, max_context, "max_context"),

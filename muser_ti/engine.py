@@ -18,7 +18,7 @@ from collections import Counter
 
 import numpy as np
 
-from . import backend, inputs, ladder
+from . import backend, inputs, interrupts, ladder
 from .config import Geometry
 from .errors import EngineError, PinnedUnavailable, PlaneError
 from .kv_cache import LAYOUT_OF, KVCache
@@ -32,6 +32,18 @@ from .reference import over_planes
 GRAPHS = ("teacher", "serving")
 PINNED_MODES = ("auto", "on", "off")
 DEVICE_CHECKS = ("per_token", "deferred")
+
+
+def _atomically(commit) -> None:
+    """Run ``commit`` (a commit section: device writes, then bookkeeping that sets rather than steps) so that
+    it happens or not, never half: Ctrl-C is held back through it, and if anything raises inside it, it runs
+    once more, which completes it (its writes land where they landed), before the exception goes on."""
+    with interrupts.held_back():
+        try:
+            commit()
+        except BaseException:
+            commit()
+            raise
 
 
 def pinned_library_status(arch: str = "auto") -> tuple[bool, str]:
@@ -88,6 +100,7 @@ class Engine:
         self.launcher = Launcher(cfg, self.cache, self.vec)
         self.device_checks = device_checks
         self._in_flight = InFlight()  # deferred checks: the steps since the host last looked
+        self._serial = 0  # commits so far: what makes a retried commit count its token once (RouteLog.record)
 
     # ---- state the user reads --------------------------------------------------------------------
     @property
@@ -147,7 +160,13 @@ class Engine:
             return
         if self.position + n > self.cfg.max_context:
             raise EngineError(f"prefill of {n} tokens at position {self.position} passes max_context={self.cfg.max_context}")
-        self.cache.prefill(k, v, self._planned(self.cache.plan_prefill, n), self.launcher.host_or_dev)
+        start, new_states = self.position, self._planned(self.cache.plan_prefill, n)
+
+        def commit():
+            self.cache.write_prefill(k, v, new_states, start, self.launcher.host_or_dev)
+            self.cache.commit(new_states, start + n)
+
+        _atomically(commit)
 
     def step(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """Attend one token: q [n_layers, n_heads, head_dim], k/v [n_layers, n_kv_heads, head_dim] -> like q."""
@@ -213,7 +232,8 @@ class Engine:
         """
         self._settle()
         position = inputs.position("rewind", position, self.position)
-        self.cache.rewind(position, self._planned(self.cache.plan_rewind, position))
+        new_states = self._planned(self.cache.plan_rewind, position)
+        _atomically(lambda: self.cache.rewind(position, new_states))
 
     # ---- plan, then commit -----------------------------------------------------------------------
     def _settle(self) -> None:
@@ -258,20 +278,46 @@ class Engine:
     def _commit(self, plan, q, k, v, device=None, gate=None):
         """Write and attend the accepted token.  q, k, v: checked host arrays; or device = (q, k, v, out)
         ndarrays, with out receiving the result (then nothing is returned), checked on the device already or,
-        with ``gate`` ("token", "deferred"), by the one-dispatch step's first task (Launcher.one_dispatch):
-        a refused token then leaves the planes, ``out`` and, once the host has looked, the engine's state as
-        they were."""
+        with ``gate`` ("token", "deferred"), by the one-dispatch step's first task (Launcher.one_dispatch): a
+        refused token then leaves the planes, ``out`` and, once the host has looked, the engine as they were.
+        Atomic (_atomically): an interrupt or any exception leaves the token written and counted, or neither."""
+        p, new_states, routes, mix = plan
+        self._serial += 1
+        serial, launcher = self._serial, self.launcher
+        result = []
+
+        def commit():
+            result[:] = [self._attend(plan, q, k, v, device, gate)]
+            if gate == "token" and launcher.flagged():
+                return  # the device refused it and wrote nothing: the engine stays as it was (raised below)
+            self.cache.commit(new_states, p + 1)
+            self._routes.record(routes, mix, serial)
+
+        _atomically(commit)
+        if gate == "token" and launcher.flagged():
+            launcher.refuse(*device[:3])
+        out, vec_layers, vec_out = result[0]
+        if device is not None:
+            return None
+        if out is None:
+            out = launcher.download_out()
+            if vec_layers:
+                out[vec_layers] = vec_out[vec_layers]
+        return out
+
+    def _attend(self, plan, q, k, v, device, gate):
+        """The token's device writes and attention, without a change to the engine's bookkeeping: the rows
+        stored (after any growth), the partials and the output, which come out the same however often it runs."""
         p, new_states, routes, mix = plan
         cache, launcher = self.cache, self.launcher
         one_dispatch = gate is not None or launcher.one_dispatch_fits(new_states, routes, bool(self._forced))
-        # ---- commit: from here on the token is accepted (gated: unless the step's scan refuses it) ----
         launcher.begin()
         for kind, st in new_states.items():
             cache.ensure_capacity(kind, st.capacity)
         if device is None:
             # every route stores this token's row in every layer (a store kernel, or fused into the
             # interleaved producer): the mirror gets the same row, before anything reads it
-            cache.mirror_token(new_states, k, v)
+            cache.mirror_token(new_states, k, v, p)
             k_dev, v_dev = launcher.upload(q, k, v)
             out = np.empty_like(q) if not launcher.gpu else None
             out_dev = out if out is not None else launcher.out
@@ -284,17 +330,7 @@ class Engine:
         else:
             vec_layers, vec_out = launcher.routes(p, new_states, routes, q, k_dev, v_dev, out, out_dev)
         launcher.finish(external=device or ())
-        if gate == "token":
-            launcher.refuse_if_flagged(*device[:3])
-        cache.commit_append(new_states)
-        self._routes.record(routes, mix)
-        if device is not None:
-            return None
-        if out is None:
-            out = launcher.download_out()
-            if vec_layers:
-                out[vec_layers] = vec_out[vec_layers]
-        return out
+        return out, vec_layers, vec_out
 
     # ---- inspection --------------------------------------------------------------------------------
     def plane_state(self, layer: int) -> PlaneState:
@@ -353,9 +389,12 @@ class Engine:
         self._restore(snap)
 
     def _restore(self, snap) -> None:
-        self.cache.load_state_dict(snap.tensors, snap.meta)
-        self.route_counts = Counter(snap.meta["route_counts"])
-        self.routes = list(snap.meta["routes"])
+        def commit():
+            self.cache.load_state_dict(snap.tensors, snap.load_meta)
+            self.route_counts = Counter(snap.meta["route_counts"])
+            self.routes = list(snap.meta["routes"])
+
+        _atomically(commit)
 
     @classmethod
     def from_snapshot(cls, path, arch: str = "auto", pinned: str = "auto", graph: str | None = None,

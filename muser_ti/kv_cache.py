@@ -23,7 +23,7 @@ import taichi as ti
 
 from . import backend
 from .config import NOPE, SWA, Geometry
-from .errors import EngineError
+from .errors import EngineError, PlaneError
 from .kernels import halves
 from .kernels.common import HEAD_MAJOR, TOKEN_MAJOR
 from .kernels.stores import build_stores
@@ -145,17 +145,26 @@ class KVCache:
         return {kind: ps.check_prefill(self.position, n) for kind, ps in self.planes.items()}
 
     def plan_rewind(self, position: int) -> dict[str, PlaneState]:
-        return {kind: ps.check_rewind(position, self.position) for kind, ps in self.planes.items()}
+        states = {kind: ps.check_rewind(position, self.position) for kind, ps in self.planes.items()}
+        missing = self.serving.first_missing(position) if self.serving is not None else None
+        if missing is not None:
+            raise PlaneError(f"cannot rewind to {position}: the serving graph's llama.cpp cells ({self.serving.cells}) no "
+                             f"longer hold token {missing}, which the next token attends (they roll back only "
+                             f"{self.serving.cells - self.cfg.window} tokens past the window, whatever the ring's slack)")
+        return states
 
-    def prefill(self, k: np.ndarray, v: np.ndarray, new_states: dict[str, PlaneState], to_device) -> None:
-        """Store n checked tokens (k, v float32 [n, layers, kv heads, d]) and commit ``new_states``;
-        ``to_device(a)`` hands a host array to the kernels (zero-copy on the CPU)."""
+    def write_prefill(self, k: np.ndarray, v: np.ndarray, new_states: dict[str, PlaneState], start: int,
+                      to_device) -> None:
+        """Store n checked tokens (k, v float32 [n, layers, kv heads, d]) from position ``start``: the planes (grown
+        first where they must), the mirror and the serving cells; ``to_device(a)`` hands a host array to the
+        kernels (zero-copy on the CPU).  Every write lands where the same call would put it again, so a prefill
+        cut short anywhere is completed by running this once more; the states are committed after it (commit)."""
         n = k.shape[0]
         for kind, ps in self.planes.items():
-            before = ps.state
             self.ensure_capacity(kind, new_states[kind].capacity)
+            before = ps.state  # len and origins as before the prefill (a growth changes the capacity alone)
             if kind == SWA:
-                first, rows = ring_rows_to_write(before, self.position, n)
+                first, rows = ring_rows_to_write(before, start, n)
             else:
                 first, rows = 0, np.arange(before.len, before.len + n, dtype=np.int32)
             grp = self.group(ps.layers)
@@ -165,41 +174,33 @@ class KVCache:
                                            grp.slots_dev, len(ps.layers), rows_dev, first, len(rows))
             if self.mirror is not None:  # the same rows from the same f32 tokens: O(rows written)
                 self.mirror.store(kind, rows, k[first:], v[first:])
-            self.set_state(kind, new_states[kind])
         if self.serving is not None:
             keep = min(n, self.serving.cells)
             swa = list(self.planes[SWA].layers)
             for t in range(n - keep, n):
-                self.serving.stage(self.position + t, k[t][swa].astype(np.float16), v[t][swa].astype(np.float16))
-        self.position += n
+                self.serving.stage(start + t, k[t][swa].astype(np.float16), v[t][swa].astype(np.float16))
 
-    def mirror_token(self, new_states: dict[str, PlaneState], k: np.ndarray, v: np.ndarray) -> None:
+    def mirror_token(self, new_states: dict[str, PlaneState], k: np.ndarray, v: np.ndarray, position: int) -> None:
         """The token at ``position`` into the mirror planes, at the row every route stores it in."""
         if self.mirror is not None:
             for kind, st in new_states.items():
-                self.mirror.store(kind, [st.physical(self.position)], k[None], v[None])
+                self.mirror.store(kind, [st.physical(position)], k[None], v[None])
 
     def states(self) -> dict[str, PlaneState]:
         return {kind: ps.state for kind, ps in self.planes.items()}
 
-    def restore_states(self, states: dict[str, PlaneState], position: int) -> None:
-        """Back to earlier states (tokens the device never wrote: a deferred refusal); no data moves."""
+    def commit(self, states: dict[str, PlaneState], position: int) -> None:
+        """Every class's state and the position, set (not stepped): committing twice is committing once.  Also how
+        the engine goes back to earlier states (a deferred refusal: tokens the device never wrote)."""
         for kind, st in states.items():
             self.set_state(kind, st)
         self.position = position
 
-    def commit_append(self, new_states: dict[str, PlaneState]) -> None:
-        for kind, st in new_states.items():
-            self.set_state(kind, st)
-        self.position += 1
-
     def rewind(self, position: int, new_states: dict[str, PlaneState]) -> None:
         """Forget tokens >= position: rows past len are dead, so no data moves (planes or mirror)."""
-        for kind, st in new_states.items():
-            self.set_state(kind, st)
+        self.commit(new_states, position)
         if self.serving is not None:
             self.serving.forget_from(position)
-        self.position = position
 
     # ---- host views ----------------------------------------------------------------------------
     def halves(self, kind: str) -> tuple[np.ndarray, np.ndarray]:

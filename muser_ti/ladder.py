@@ -124,6 +124,7 @@ class RouteLog:
         self._steps_by_mix: dict[tuple[str, ...], int] = {}
         self._restored: Counter = Counter()
         self._mixes: dict[tuple[str, ...], tuple[str, ...]] = {}
+        self._serial = 0  # the commit last counted
 
     def mix_of(self, chosen: dict[str, str]) -> tuple[str, ...]:
         """Every layer's route when each class takes its ``chosen`` route."""
@@ -133,9 +134,12 @@ class RouteLog:
             mix = self._mixes[key] = tuple(chosen[kind] for kind in self.layer_kinds)
         return mix
 
-    def record(self, routes: list[str], mix: tuple[str, ...]) -> None:
+    def record(self, routes: list[str], mix: tuple[str, ...], serial: int) -> None:
+        """One accepted step, commit ``serial``: recording it again (a retried commit) counts it once."""
         self.last = routes
-        self._steps_by_mix[mix] = self._steps_by_mix.get(mix, 0) + 1
+        if serial != self._serial:
+            self._steps_by_mix[mix] = self._steps_by_mix.get(mix, 0) + 1
+            self._serial = serial
 
     def undo(self, mix: tuple[str, ...], last: list[str | None]) -> None:
         """Forget one recorded step (a token the device refused after it was counted)."""

@@ -61,6 +61,7 @@ class Launcher:
         self.flags = ti.ndarray(ti.i32, (FLAG_CELLS + L,))
         self.flags.fill(0)
         self.scans = 0  # the stamp of the last scan
+        self._verdict = (0, False)  # (stamp, flagged) of the last scan the host looked at
         self.base = 1  # the first stamp the host has not looked at (deferred checks)
         self.transfer = Transfer()  # per-token copies: the CUDA driver's memcpy where it can (transfer.py)
         # Where host copies go through Taichi (Vulkan, Metal), each synchronises the device; there q, k and v
@@ -263,18 +264,21 @@ class Launcher:
             self.graphs.run([(self.scan, (q, k, v, self.flags, self.scans))], (q, k, v))
         else:
             self.scan(q, k, v, self.flags, self.scans)
-        self.refuse_if_flagged(q, k, v)
+        if self.flagged():
+            self.refuse(q, k, v)
 
-    def refuse_if_flagged(self, q, k, v) -> None:
-        """Raise, naming the first bad value, if the last scan (stamp self.scans) flagged the token."""
-        flags = self.transfer.download(self.flags, self.flags.shape)[:TOKEN_FLAGS] == self.scans
-        self.base = self.scans + 1  # every scan so far is looked at
-        if flags.any():
-            inputs.step_token(self.cfg, *self.download_token(q, k, v))
-            raise EngineError(f"step_device: the device scan flagged the token ({flags.tolist()}) but its host "
-                              f"copy passes the checks")  # a scan that disagrees with the host is a bug: say so
+    def flagged(self) -> bool:
+        """Did the last scan (stamp self.scans) flag its token?  One device wait per scan, however often asked."""
+        if self._verdict[0] != self.scans:
+            flags = self.transfer.download(self.flags, self.flags.shape)[:TOKEN_FLAGS]
+            self._verdict = (self.scans, bool((flags == self.scans).any()))
+            self.base = self.scans + 1  # every scan so far is looked at
+        return self._verdict[1]
 
-
+    def refuse(self, q, k, v) -> None:
+        """Raise for a token the scan flagged, naming its first bad value (the host check on a copy)."""
+        inputs.step_token(self.cfg, *self.download_token(q, k, v))
+        raise EngineError("step_device: the device scan flagged the token but its host copy passes the checks")  # a bug
 
 
 class InFlight:
@@ -301,7 +305,7 @@ class InFlight:
         for _, _, _, routes_before, mix in reversed(undone):
             routes.undo(mix, routes_before)
         _, position, states, _, _ = undone[0]
-        cache.restore_states(states, position)
+        cache.commit(states, position)
         raise EngineError(f"step_device: the token at position {position} was refused by the device scan "
                           f"({'; '.join(what)}); it and the {len(undone) - 1} token(s) after it were not written, and "
                           f"the engine is back at position {position}")

@@ -29,6 +29,16 @@ from .errors import PlaneError
 NOPE_INITIAL_ROWS = 64  # first allocation of a growing plane (>= 32, so a normal session is vec-eligible)
 
 
+def fresh_capacity(cap: int, rows: int) -> int:
+    """The allocation a growing plane of at most ``cap`` rows has once it holds ``rows``, grown from its first
+    (NOPE_INITIAL_ROWS, doubled as needed): what a snapshot's NoPE plane is loaded into, whatever size the
+    file says the saving engine's plane had (a file does not choose how much memory a load takes)."""
+    capacity = min(cap, NOPE_INITIAL_ROWS)
+    while capacity < rows:
+        capacity *= 2
+    return min(capacity, cap)
+
+
 def plane_shape(cfg: Geometry, kind: str, n_layers: int, rows: int) -> tuple[int, int, int, int]:
     """Storage shape of a class's planes: token-major ring for SWA, head-major plane for NoPE."""
     if kind == SWA:

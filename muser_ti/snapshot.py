@@ -15,13 +15,22 @@ What a snapshot holds (everything the next token depends on, nothing else):
 
 Writes are atomic: the file is written under a temporary name in the same directory, flushed to
 disk, then renamed over the destination, so a crash mid-save leaves either the old file or none, and
-never one that loads.  Loads are all-or-nothing: the file is read and checked completely (format,
-version, geometry, dtypes, shapes, missing or unknown tensors, plane invariants, checksum) before
-the engine is touched; a refused file raises :class:`SnapshotError` and leaves the engine unchanged.
+never one that loads; a save refuses a destination that exists and is not a regular file, and removes
+the temporary files an interrupted save to the same path left.  Loads are all-or-nothing: the file is
+read and checked completely (format, version, geometry, dtypes, shapes, missing or unknown tensors,
+plane invariants, values, route counts, checksum) before the engine is touched or anything is
+allocated for it; a refused file raises :class:`SnapshotError` and leaves the engine unchanged.
+
+A file is untrusted input.  The checksum only tells that the contents are what was written (anyone can
+compute one): every value is checked as if it were not there.  What a load allocates follows from the
+tensors in the file and the geometry (the rings' rows are in the file; a NoPE plane is loaded into
+the allocation its live rows need, planes.fresh_capacity, not the one the file names), never from a
+number the file merely states.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -34,7 +43,7 @@ import numpy as np
 from .config import NOPE, SWA, Geometry, geometry_from_dict
 from .errors import ConfigError, SnapshotError
 from .kv_cache import PLANE_DTYPE, STATE_FIELDS as _STATE_FIELDS, KVCache
-from .planes import PlaneState, plane_shape
+from .planes import PlaneState, fresh_capacity, plane_shape
 
 FORMAT = "muser-ti-snapshot"
 VERSION = 1
@@ -76,9 +85,14 @@ def save(path: str | os.PathLike, geometry: Geometry, tensors: dict[str, np.ndar
     from safetensors.numpy import save_file
 
     path = Path(path)
+    if path.exists() and not path.is_file():  # a device node, a FIFO, a folder: never replaced by a rename
+        raise SnapshotError(f"snapshot {path}: exists and is not a regular file; refusing to write over it")
+    directory = path.parent if str(path.parent) else Path(".")
+    for stray in directory.glob(f".{glob.escape(path.name)}.*.tmp"):  # an interrupted save's leftovers
+        if stray.is_file() and not stray.is_symlink():
+            stray.unlink(missing_ok=True)
     meta_json = json.dumps(file_meta(geometry, session), sort_keys=True)
     header = {_META_KEY: meta_json, _SUM_KEY: _checksum(meta_json, tensors)}
-    directory = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     os.close(fd)
     try:
@@ -117,6 +131,14 @@ class _Snapshot:
     def state(self, kind: str) -> PlaneState:
         p = self.meta["planes"][kind]
         return PlaneState(**{f: p[f] for f in _STATE_FIELDS})
+
+    @property
+    def load_meta(self) -> dict:
+        """The meta a cache loads: a NoPE plane's capacity is what its live rows need (planes.fresh_capacity)."""
+        planes = {kind: dict(p) for kind, p in self.meta["planes"].items()}
+        if NOPE in planes:
+            planes[NOPE]["capacity"] = fresh_capacity(planes[NOPE]["cap"], planes[NOPE]["len"])
+        return {**self.meta, "planes": planes}
 
     def cap(self, kind: str) -> int:
         return self.meta["planes"][kind]["cap"]
@@ -231,12 +253,35 @@ def read(path: str | os.PathLike) -> _Snapshot:
             raise SnapshotError(f"{where}: tensor {name!r} has dtype {a.dtype}, expected {dtype}")
         if a.shape != shape:
             raise SnapshotError(f"{where}: tensor {name!r} has shape {a.shape}, expected {shape}")
+    for name in expected:
+        if name != "serving.pos" and not np.isfinite(tensors[name]).all():  # f16: inf past 65504, or NaN
+            where_bad = tuple(int(i) for i in np.argwhere(~np.isfinite(tensors[name]))[0])
+            raise SnapshotError(f"{where}: tensor {name!r} holds {tensors[name][where_bad]} at {where_bad}: the planes hold "
+                                f"finite f16 values only")
+    if "serving.pos" in tensors:
+        pos = tensors["serving.pos"]
+        cells = np.arange(len(pos))
+        held = pos >= 0
+        if (pos < -1).any() or (pos >= position).any() or (pos[held] % len(pos) != cells[held]).any():
+            raise SnapshotError(f"{where}: tensor 'serving.pos' is not llama.cpp's cell order for position {position} "
+                                f"(each cell -1, or a token t < {position} with t % {len(pos)} its index)")
+    from .ladder import ROUTES
+
     counts = meta.get("route_counts", {})
+    if not isinstance(counts, dict) or any(r not in ROUTES or not _int(c) or c < 0 for r, c in counts.items()):
+        raise SnapshotError(f"{where}: route_counts {_short(counts)}: expected a mapping of routes {list(ROUTES)} "
+                            f"to non-negative integers")
     routes = meta.get("routes")
-    if (not isinstance(counts, dict) or not all(_int(c) for c in counts.values())
-            or not isinstance(routes, list) or len(routes) != geom.n_layers):
-        raise SnapshotError(f"{where}: route_counts/routes are malformed")
+    if not isinstance(routes, list) or len(routes) != geom.n_layers or any(r is not None and r not in ROUTES
+                                                                           for r in routes):
+        raise SnapshotError(f"{where}: routes {_short(routes)}: expected one route of {list(ROUTES)} (or null) for "
+                            f"each of the {geom.n_layers} layers")
     return _Snapshot(path, geom, meta, tensors)
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def check_fits(snap: _Snapshot, cache: KVCache) -> None:

@@ -59,7 +59,9 @@ def assert_mirrors_planes(eng, what=""):
 def test_mirror_follows_the_planes_through_a_session(arch, geom, tmp_path):
     # ring of 96 = window 64 + slack 32 (rewinds of up to 32 tokens), NoPE plane from 64 rows, doubling
     cfg = geometry(window=64, slack=32, **GEOMETRIES[geom])
-    s = Session(mt.Engine(cfg, arch=arch, mirror="host"), seed=11)
+    # where ggml can run (the CPU), with the pinned rung on, so its vec routes read the mirror
+    rung = "on" if arch == "cpu" and GGML_OK else "auto"
+    s = Session(mt.Engine(cfg, arch=arch, mirror="host", pinned=rung), seed=11)
     eng = s.eng
     assert eng.mirror.name == "host"
     assert_mirrors_planes(eng, "new engine")
@@ -101,7 +103,7 @@ def test_mirror_follows_the_planes_through_a_session(arch, geom, tmp_path):
     eng.load(tmp_path / "early.safetensors")  # NoPE plane shrinks back to 64 rows: the mirror reallocates
     assert eng.mirror.state[NOPE].capacity == 64
     assert_mirrors_planes(eng, "load (smaller NoPE plane)")
-    resumed = mt.Engine.from_snapshot(tmp_path / "late.safetensors", arch=arch, mirror="host")
+    resumed = mt.Engine.from_snapshot(tmp_path / "late.safetensors", arch=arch, mirror="host", pinned=rung)
     assert_mirrors_planes(resumed, "from_snapshot")
     # both resumed sessions go on storing into their mirrors
     for e in (eng, resumed):
@@ -122,7 +124,7 @@ def test_f16_rounding_of_awkward_values_matches_the_store_kernels(arch, graph):
     special = np.array(ties + [-x for x in ties] + [-0.0, 0.0, 65504.0, -65504.0, 65503.9, 6.1e-5, 6.0e-5,
                                                     5.96e-8, 2.9e-8, 1e-10, 0.1, 1 / 3, 2 / 3, 1e4 + 0.5], f)
     cfg = geometry(window=32, **GEOMETRIES["gqa4-d64"])
-    eng = mt.Engine(cfg, arch=arch, mirror="host", graph=graph, pinned="on" if graph == "serving" else "auto")
+    eng = mt.Engine(cfg, arch=arch, mirror="host", graph=graph, pinned="on" if arch == "cpu" and GGML_OK else "auto")
     rng = np.random.default_rng(3)
     L, H, KV, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 

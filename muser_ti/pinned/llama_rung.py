@@ -96,6 +96,15 @@ class ServingCache:
         self.v[:, cell] = v_rows
         self.pos[cell] = position
 
+    def first_missing(self, position: int) -> int | None:
+        """The oldest token the next token at ``position`` attends (besides itself) that no cell holds any more,
+        or None: after a rewind deeper than the cells' room beyond the window, llama.cpp's cache has reused
+        them for later tokens."""
+        for t in range(max(0, position - self.window + 1), position):
+            if self.pos[t % self.cells] != t:
+                return t
+        return None
+
     def forget_from(self, position: int) -> None:
         """A rollback: cells holding tokens at or after ``position`` become empty."""
         self.pos[self.pos >= position] = -1

@@ -1,0 +1,34 @@
+"""Ctrl-C held back while the engine commits a token, so an interrupt lands before the commit or after it.
+
+Every commit is also made safe against any exception by running its (idempotent) writes again (Engine's
+commit sections); this takes the common interrupt, SIGINT, out of the commit altogether.  Only the main
+thread may install a signal handler; elsewhere nothing is held back (and the retry still applies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+
+@contextlib.contextmanager
+def held_back():
+    """SIGINT during the block is delivered (as KeyboardInterrupt, or to the handler that was there) at its end."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):  # Python's default handler raises KeyboardInterrupt here
+                previous(signal.SIGINT, caught[0])
+            elif previous != signal.SIG_IGN:  # SIG_DFL (or a C handler): the signal again, to its own action
+                signal.raise_signal(signal.SIGINT)
+
+
+__all__ = ["held_back"]
