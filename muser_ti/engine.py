@@ -160,10 +160,10 @@ class Engine:
             return
         if self.position + n > self.cfg.max_context:
             raise EngineError(f"prefill of {n} tokens at position {self.position} passes max_context={self.cfg.max_context}")
-        start, new_states = self.position, self._planned(self.cache.plan_prefill, n)
+        start, states, new_states = self.position, self.cache.states(), self._planned(self.cache.plan_prefill, n)
 
         def commit():
-            self.cache.write_prefill(k, v, new_states, start, self.launcher.host_or_dev)
+            self.cache.write_prefill(k, v, states, new_states, start, self.launcher.host_or_dev)
             self.cache.commit(new_states, start + n)
 
         _atomically(commit)

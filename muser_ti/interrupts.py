@@ -19,8 +19,9 @@ def held_back():
         yield
         return
     caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    try:
+    previous = signal.getsignal(signal.SIGINT)
+    try:  # installed inside the try: whatever interrupts this function, the previous handler is back after it
+        signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
         yield
     finally:
         signal.signal(signal.SIGINT, previous)

@@ -153,16 +153,17 @@ class KVCache:
                              f"{self.serving.cells - self.cfg.window} tokens past the window, whatever the ring's slack)")
         return states
 
-    def write_prefill(self, k: np.ndarray, v: np.ndarray, new_states: dict[str, PlaneState], start: int,
-                      to_device) -> None:
-        """Store n checked tokens (k, v float32 [n, layers, kv heads, d]) from position ``start``: the planes (grown
-        first where they must), the mirror and the serving cells; ``to_device(a)`` hands a host array to the
-        kernels (zero-copy on the CPU).  Every write lands where the same call would put it again, so a prefill
-        cut short anywhere is completed by running this once more; the states are committed after it (commit)."""
+    def write_prefill(self, k: np.ndarray, v: np.ndarray, states: dict[str, PlaneState],
+                      new_states: dict[str, PlaneState], start: int, to_device) -> None:
+        """Store n checked tokens (k, v float32 [n, layers, kv heads, d]) from position ``start`` into planes that
+        were in ``states``: the planes (grown first where they must), the mirror and the serving cells;
+        ``to_device(a)`` hands a host array to the kernels (zero-copy on the CPU).  Every write is placed from the
+        states passed in, never the live ones, so a prefill cut short anywhere (its commit half done included)
+        is completed by running this once more; the states are committed after it (commit)."""
         n = k.shape[0]
         for kind, ps in self.planes.items():
             self.ensure_capacity(kind, new_states[kind].capacity)
-            before = ps.state  # len and origins as before the prefill (a growth changes the capacity alone)
+            before = states[kind]
             if kind == SWA:
                 first, rows = ring_rows_to_write(before, start, n)
             else:

@@ -137,9 +137,8 @@ class RouteLog:
     def record(self, routes: list[str], mix: tuple[str, ...], serial: int) -> None:
         """One accepted step, commit ``serial``: recording it again (a retried commit) counts it once."""
         self.last = routes
-        if serial != self._serial:
-            self._steps_by_mix[mix] = self._steps_by_mix.get(mix, 0) + 1
-            self._serial = serial
+        if serial != self._serial:  # one statement: the count and the serial that guards it land together
+            self._steps_by_mix, self._serial = {**self._steps_by_mix, mix: self._steps_by_mix.get(mix, 0) + 1}, serial
 
     def undo(self, mix: tuple[str, ...], last: list[str | None]) -> None:
         """Forget one recorded step (a token the device refused after it was counted)."""
