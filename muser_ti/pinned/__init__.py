@@ -14,7 +14,7 @@ from . import llama_rung
 
 # pinned="auto" uses the rung only where its numerics stay within their bound on every input the engine accepts.
 # Nowhere today: llama.cpp's CPU kernel keeps its V accumulator in f16, which saturates on ordinary input (flat
-# attention over 8,192 rows of V = 1 comes out 0.5 off, over 2,048 rows of V = 40 0.12 off, docs/pinned-rung.md),
+# attention over 8,193 rows of V = 1 comes out 0.5 off, over 2,001 rows of V = 40 0.12 off, docs/pinned-rung.md),
 # and the Metal kernel has never run.  pinned="on" takes it where it is loaded, for llama.cpp's bits.
 AUTO_REASON = ("pinned='auto' leaves it off: its f16 V accumulator can leave its bound on accepted input "
                "(docs/pinned-rung.md); pinned='on' uses it")
