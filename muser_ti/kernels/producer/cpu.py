@@ -1,17 +1,44 @@
 """The split-K producer's CPU path: one thread per work item, serial inside.
 
 Q, the block's weights and the output accumulator live in local arrays with the G sibling heads
-contiguous (qT[d, h], P[r, h], OT[d, h]), so the static head loops become 8-wide SIMD with no reduction
-over d (Taichi runs with fast_math off, so LLVM may not reorder one).  Known deficit: Taichi's CPU JIT
-emits no FMA with fast_math off and loads K/V one half at a time, so it stays far above its FLOP floor
-(docs/PERF.md).  The large local matrices make a cold compile take tens of seconds per kernel; Taichi's
-offline cache keeps it after that.
+contiguous (qT[d, h], P[r, h], OT[d, h]), so the static head loops become 8-wide SIMD (LLVM's SLP
+vectorizer) with no reduction over d: Taichi runs with fast_math off, so LLVM may not reorder one.
+Known deficit: with fast_math off LLVM fuses no multiply-add, and Taichi's 32-bit index arithmetic keeps
+LLVM from seeing a row's words side by side, so K and V load and convert one half at a time: of the
+score loop's 396 instructions per 4 words x 4 rows, 128 are multiplies and adds (the value loop: 455, 128),
+and a step takes 2.8-3.8x the FMA floor (docs/PERF.md).  With
+fast_math on, LLVM's loop vectorizer takes the dimension loops instead, with gathers, and every variant
+tried ran slower (docs/PERF.md, kernel history).  The large local matrices make a cold compile take tens
+of seconds per kernel; Taichi's offline cache keeps it after that.
 """
 
 import taichi as ti
 
 from ..common import BLOCK_ROWS, RUNNING_MAX_INIT, VISIT_OWNER
 from ..halves import HALVES_PER_WORD, high, low
+
+# exp(x) for x <= 0 (every exp the producer takes: a score less its running max): Cody-Waite range
+# reduction x = n ln2 + r, |r| <= ln2 / 2, and Cephes expf's degree-6 polynomial for exp(r), about 1 ulp.
+# Branch-free, so LLVM vectorises it across the heads; libm's expf, one call per row and head, cost 12 %
+# of a deep layer (docs/PERF.md).
+LOG2E = 1.44269504088896341
+LN2_HI = 0.693359375  # ln 2 to 9 bits: n * LN2_HI is exact for every n here
+LN2_LO = -2.12194440e-4  # ln 2 - LN2_HI
+EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+EXP_UNDERFLOW = -87.33654  # below it exp(x) < 2**-126 and is returned as 0 (an absolute error < 1.2e-38)
+
+
+@ti.func
+def exp_nonpositive(x):
+    """exp(x) for x <= 0, to about 1 ulp (0 below EXP_UNDERFLOW)."""
+    xc = ti.max(x, EXP_UNDERFLOW)
+    n = ti.floor(xc * LOG2E + 0.5)
+    r = (xc - n * LN2_HI) - n * LN2_LO
+    c0, c1, c2, c3, c4, c5 = EXP_POLY
+    p = ((((c0 * r + c1) * r + c2) * r + c3) * r + c4) * r + c5
+    e = p * (r * r) + r + 1.0
+    two_n = ti.bit_cast((ti.cast(n, ti.i32) + 127) << 23, ti.f32)  # n >= -126: a normal power of two
+    return ti.select(x < EXP_UNDERFLOW, 0.0, e * two_n)
 
 
 def cpu_item_work(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, record: bool, at):
@@ -22,12 +49,25 @@ def cpu_item_work(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, rec
     CPU_ROWS = 4  # K/V rows per register block (divides BLOCK_ROWS)
 
     @ti.func
-    def row_pair(plane: ti.template(), slot, kvh, physical, w):
-        """f32 values of dimensions 2w and 2w + 1 of a plane row (one packed word).  The bypass is not
-        decided here: a per-element branch on ``logical == position`` cost 1.7x on the CPU (docs/PERF.md);
-        the current row is patched once per block instead."""
-        word = at.plane_at(plane, slot, kvh, physical, w)
+    def row_pair(plane: ti.template(), offset, w):
+        """f32 values of dimensions 2w and 2w + 1 of the plane row at flat word ``offset`` (row_offsets).
+        The bypass is not decided here: a per-element branch on ``logical == position`` cost 1.7x on the
+        CPU (docs/PERF.md); the current row is patched once per block instead."""
+        word = at.plane_flat(plane, offset + w)
         return low(word), high(word)
+
+    @ti.func
+    def row_offsets(logical_first, rr, count, plane: ti.template(), slot, kvh, capacity, origin_logical,
+                    origin_physical):
+        """Flat word offsets of CPU_ROWS block rows from rr * CPU_ROWS (a partial tail repeats the last row),
+        once per row: indexing the plane by (slot, kvh, row, w) per word recomputed the whole index per word,
+        reloading the shape each time (LLVM cannot tell the local stores from it)."""
+        offsets = ti.Vector([0] * CPU_ROWS)
+        for j in ti.static(range(CPU_ROWS)):
+            logical = logical_first + ti.min(rr * CPU_ROWS + j, count - 1)
+            physical = at.physical_of(logical, capacity, origin_logical, origin_physical)
+            offsets[j] = at.row_offset(plane, slot, kvh, physical)
+        return offsets
 
     @ti.func
     def next_owned(block, chunk_pos, nwg, nsg):
@@ -71,15 +111,12 @@ def cpu_item_work(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, rec
             count = ti.min(C, visible - first)
             # scores: CPU_ROWS rows at a time (a partial tail repeats the last row, unused)
             for rr in range((count + CPU_ROWS - 1) // CPU_ROWS):
-                logicals = ti.Vector([0] * CPU_ROWS)
-                physs = ti.Vector([0] * CPU_ROWS)
-                for j in ti.static(range(CPU_ROWS)):
-                    logicals[j] = logical_start + first + ti.min(rr * CPU_ROWS + j, count - 1)
-                    physs[j] = at.physical_of(logicals[j], capacity, origin_logical, origin_physical)
+                offsets = row_offsets(logical_start + first, rr, count, k_plane, slot, kvh, capacity,
+                                      origin_logical, origin_physical)
                 acc = ti.Matrix.zero(ti.f32, CPU_ROWS, G)
                 for w in range(W):  # dimensions 2w, then 2w + 1: the sum's order is the per-dimension loop's
                     for j in ti.static(range(CPU_ROWS)):
-                        k0, k1 = row_pair(k_plane, slot, kvh, physs[j], w)
+                        k0, k1 = row_pair(k_plane, offsets[j], w)
                         for h in ti.static(range(G)):
                             acc[j, h] = acc[j, h] + qT[2 * w, h] * k0
                             acc[j, h] = acc[j, h] + qT[2 * w + 1, h] * k1
@@ -105,12 +142,12 @@ def cpu_item_work(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, rec
                 for r in range(1, count):
                     block_max = ti.max(block_max, P[r, h])
                 new_max = ti.max(m[h], block_max)
-                factor[h] = ti.exp(m[h] - new_max)
+                factor[h] = exp_nonpositive(m[h] - new_max)
                 m[h] = new_max
                 s[h] *= factor[h]
             for r in range(count):
                 for h in ti.static(range(G)):
-                    w = ti.exp(P[r, h] - m[h])
+                    w = exp_nonpositive(P[r, h] - m[h])
                     P[r, h] = w
                     s[h] += w
             for d in range(D):
@@ -118,13 +155,11 @@ def cpu_item_work(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, rec
                     OT[d, h] = OT[d, h] * factor[h]
             # V pass: CPU_ROWS rows at a time; rows past count get weight 0
             for rr in range((count + CPU_ROWS - 1) // CPU_ROWS):
-                logicals = ti.Vector([0] * CPU_ROWS)
-                physs = ti.Vector([0] * CPU_ROWS)
+                offsets = row_offsets(logical_start + first, rr, count, v_plane, slot, kvh, capacity,
+                                      origin_logical, origin_physical)
                 wts = ti.Matrix.zero(ti.f32, CPU_ROWS, G)
                 for j in ti.static(range(CPU_ROWS)):
                     r = rr * CPU_ROWS + j
-                    logicals[j] = logical_start + first + ti.min(r, count - 1)
-                    physs[j] = at.physical_of(logicals[j], capacity, origin_logical, origin_physical)
                     # bypass: the current row's plane slot gets weight 0 (0 x a finite f16 adds
                     # exactly nothing); its f32 value is added below
                     keep = r < count
@@ -137,7 +172,7 @@ def cpu_item_work(head_dim: int, heads_per_kv: int, n_kv: int, bypass: bool, rec
                     v0 = ti.Vector([0.0] * CPU_ROWS)
                     v1 = ti.Vector([0.0] * CPU_ROWS)
                     for j in ti.static(range(CPU_ROWS)):
-                        pair = row_pair(v_plane, slot, kvh, physs[j], w)
+                        pair = row_pair(v_plane, offsets[j], w)
                         v0[j] = pair[0]
                         v1[j] = pair[1]
                     for h in ti.static(range(G)):
