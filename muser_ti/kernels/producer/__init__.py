@@ -33,6 +33,13 @@ from .cpu import cpu_item_work
 from .gpu_common import SHARED_BUDGET_BYTES, tile_choice, udiv, umod
 from .warp_tile import WarpTilePlan, describe_warp_tile, warp_producer_work, warp_shared_arrays, warp_tile_plan
 
+# Taichi 1.7.4's CPU backend hands a range-for to its threads in tasks of 512 iterations, whatever
+# loop_config(block_dim) or default_cpu_block_dim say (measured: a 64-item loop ran on one of the two
+# cores, 600 items on 1.17 of them), and a layer has tens of work items.  So the producer's loop runs
+# CPU_TASK_ITERATIONS iterations per item, all but the first empty: one task per item, and every core busy.
+CPU_TASK_ITERATIONS = 512
+
+
 def addressing(layout: str, n_kv: int):
     """The row addressing both paths share: work items, ring arithmetic, plane access, the fused store."""
     KV = n_kv
@@ -182,9 +189,11 @@ def producer_kernel(n_kv: int, cpu_item=None, gpu=None, items_cap: int = 0):
                      partials, visits, layers, slots, position, window, capacity, origin_logical, origin_physical,
                      nwg, nsg, scale)
         else:
-            for item in range(n_group * n_kv * nwg):  # one work item per (layer, kv head, workgroup)
-                cpu_item(item, q, k_cur, v_cur, k_plane, v_plane, partials, visits, layers, slots, position, window,
-                         capacity, origin_logical, origin_physical, nwg, nsg, scale)
+            # one work item per (layer, kv head, workgroup), one item per CPU task (CPU_TASK_ITERATIONS says why)
+            for t in range(n_group * n_kv * nwg * CPU_TASK_ITERATIONS):
+                if t & (CPU_TASK_ITERATIONS - 1) == 0:
+                    cpu_item(t // CPU_TASK_ITERATIONS, q, k_cur, v_cur, k_plane, v_plane, partials, visits, layers,
+                             slots, position, window, capacity, origin_logical, origin_physical, nwg, nsg, scale)
 
     return producer
 
