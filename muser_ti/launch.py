@@ -17,8 +17,8 @@ from .config import NOPE, SWA, Geometry
 from .errors import EngineError
 from .kernels.common import MAX_WORKGROUPS, on_gpu
 from .kernels.interleaved import build_interleaved
-from .kernels.splitk import (build_splitk, gpu_items_cap, gpu_split_geometry, gpu_target_workgroups,
-                             gpu_workgroups_per_pair, splitk_geometry)
+from .kernels.splitk import (build_splitk, cpu_split_geometry, gpu_items_cap, gpu_split_geometry,
+                             gpu_target_workgroups, gpu_workgroups_per_pair)
 from .kernels.one_dispatch import ONE_DISPATCH_ARCHS, build_step_kernel
 from .kernels.stores import (FLAG_CELLS, NEVER_STAMPED, OPEN_GATE, REFUSAL_RING, TOKEN_FLAGS, build_token_scan,
                              build_unpack)
@@ -85,11 +85,12 @@ class Launcher:
 
     # ---- split geometry and scratch ------------------------------------------------------------
     def split_geometry(self, visible: int, n_group: int) -> tuple[int, int]:
-        """(workgroups, simdgroups) of a producer launch: the chapter's rule on the CPU; on a GPU the same
-        ownership with more workgroups so one launch fills the card (kernels/splitk.py says why)."""
+        """(workgroups, simdgroups) of a producer launch: the chapter's block ownership, with as many
+        workgroups as fill the machine: on the CPU fewer than the chapter's, on a GPU more (kernels/splitk.py
+        says why)."""
         if self.gpu:
             return gpu_split_geometry(visible, n_group * self.cfg.n_kv_heads, self.target)
-        return splitk_geometry(visible)
+        return cpu_split_geometry(visible, n_group * self.cfg.n_kv_heads)
 
     def partials_for(self, kind: str, n_group: int, nwg: int):
         """Partials scratch for a group, grown (to a power of two workgroups) when a launch needs more."""

@@ -33,6 +33,19 @@ def splitk_geometry(visible: int) -> tuple[int, int]:
     return nwg, nsg
 
 
+# The CPU runs each (layer, KV head, workgroup) item as a task of its own (kernels/producer: CPU_TASK_ITERATIONS),
+# so it needs only enough items to keep every core busy, not the chapter's 32 workgroups a pair: each costs a
+# Q load, an output write and a reducer merge, which at 2,048 keys over 39 layers was a tenth of a step.  The
+# CPU keeps the chapter's nsg and block ownership with at most CPU_TARGET_ITEMS // pairs workgroups a pair.
+CPU_TARGET_ITEMS = 32
+
+
+def cpu_split_geometry(visible: int, n_pairs: int) -> tuple[int, int]:
+    """(n_workgroups, n_simdgroups) on the CPU for ``n_pairs`` (layer, KV head) pairs in one launch."""
+    nwg, nsg = splitk_geometry(visible)
+    return max(1, min(nwg, -(-CPU_TARGET_ITEMS // max(n_pairs, 1)))), nsg
+
+
 # On a GPU the chapter's cap leaves most of the card idle for a single deep layer (2 KV heads x 32
 # workgroups = 64 workgroups on 132 SMs: 2.45x the time at 131,072 keys).  The GPU path keeps the chapter's
 # nsg rule and block ownership but sizes nwg so that one launch is one wave of resident workgroups, 2 an SM
