@@ -38,6 +38,14 @@ def median_time(fn, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def child_env() -> dict:
+    """The environment for a measurement in a process of its own: this one's, with this package importable
+    (a checkout run as ``python scripts/...`` has it on sys.path only)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    paths = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
 def machine() -> dict:
     """The machine a figure was taken on: platform, Python, cores and the CPU's model name."""
     info = {"platform": platform.platform(), "python": platform.python_version(), "cores": os.cpu_count()}

@@ -4,7 +4,6 @@ bandwidth, FLOP rate and floor (muser_ti/cli/bench.py, bench_gpu.py; the lab's t
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -15,16 +14,6 @@ import numpy as np
 import muser_ti as mt
 
 ROUTE_KIND = {"splitk": "swa", "interleaved": "nope"}
-def cpu_flop_floor_s(flop: float) -> float:
-    """Arithmetic floor on this CPU: cores x clock x 32 FLOP/cycle (two 8-wide f32 FMA ports, AVX2)."""
-    mhz = 2450.0
-    try:
-        mhz = max(float(l.split(":")[1]) for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("cpu MHz"))
-    except (OSError, ValueError):
-        pass
-    return flop / ((os.cpu_count() or 1) * mhz * 1e6 * 32)
-
-
 def prefill(eng: mt.Engine, n: int, rng, chunk: int = 4096) -> None:
     c = eng.cfg
     done = 0
@@ -91,17 +80,26 @@ def layer_geometry(base: mt.Geometry, route: str, depth: int) -> mt.Geometry:
                                window=depth, max_context=depth, swa_ring_slack=0)
 
 
-def finish(row: dict, cfg: mt.Geometry, visibles: list[int], copy_gb_s: float = 0.0) -> dict:
+def attention_flop(cfg: mt.Geometry, visibles: list[int]) -> float:
+    """FLOPs of one token's attention over ``visibles`` rows per layer: QK and PV, a multiply and an add each."""
+    return 4.0 * cfg.n_heads * cfg.head_dim * sum(visibles)
+
+
+def finish(row: dict, cfg: mt.Geometry, visibles: list[int], copy_gb_s: float = 0.0,
+           fma_peak_gflop_s: float = 0.0) -> dict:
+    """A row's bytes, rates and floor: the KV bytes at the measured copy bandwidth (GPU), or the FLOPs at the
+    measured FMA peak (CPU, muser_ti.fma_peak)."""
     kv_bytes = sum(visibles) * cfg.kv_bytes_per_row
-    flop = 4.0 * cfg.n_heads * cfg.head_dim * sum(visibles)  # QK and PV, a multiply and an add each
+    flop = attention_flop(cfg, visibles)
     row["kv_mb"] = kv_bytes / 1e6
     row["ours_gb_s"] = kv_bytes / (row["ours_ms"] * 1e-3) / 1e9
     row["ours_gflop_s"] = flop / (row["ours_ms"] * 1e-3) / 1e9
-    if copy_gb_s:  # GPU: the bytes at the measured copy bandwidth
+    if copy_gb_s:
         row["byte_floor_ms"] = kv_bytes / (copy_gb_s * 1e9) * 1e3
         row["ours_over_floor"] = row["ours_ms"] / row["byte_floor_ms"]
-    else:
-        row["flop_floor_ms"] = cpu_flop_floor_s(flop) * 1e3
+    if fma_peak_gflop_s:
+        row["flop_floor_ms"] = flop / (fma_peak_gflop_s * 1e9) * 1e3
+        row["ours_over_floor"] = row["ours_ms"] / row["flop_floor_ms"]
     for peer in ("ggml", "torch", "numpy_ref"):
         if f"{peer}_ms" in row:
             row[f"ours_over_{peer}"] = row["ours_ms"] / row[f"{peer}_ms"]

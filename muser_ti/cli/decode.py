@@ -20,7 +20,7 @@ from collections import Counter
 import numpy as np
 
 import muser_ti as mt
-from muser_ti import ladder
+from muser_ti import fma_peak, ladder
 from muser_ti.cli import stdout_for_data
 from muser_ti.reference import relative_error
 
@@ -110,6 +110,15 @@ def run(args) -> dict:
         "kv_bytes_per_token": int(statistics.mean(kv_bytes)),
         "kv_gb_per_s": statistics.mean(kv_bytes) / median / 1e9,
     }
+    # the FLOP floor: this token's attention at the CPU's f32 FMA peak, measured by a kernel of our own in a
+    # process of its own (muser_ti.fma_peak), now that the engine is idle
+    rows = statistics.mean(kv_bytes) / cfg.kv_bytes_per_row
+    summary["flop_per_token"] = 4.0 * H * D * rows  # QK and PV, a multiply and an add each
+    if eng.arch == "cpu":
+        peak = fma_peak.probe()["gflop_s"]
+        summary["fma_peak_gflop_s"] = peak
+        summary["flop_floor_s"] = summary["flop_per_token"] / (peak * 1e9)
+        summary["share_of_floor"] = summary["flop_floor_s"] / median
     if args.check:
         summary["max_rel_error"] = max(errors)
         summary["rel_error_bound"] = mt.tolerances.F32_ROUTE_RTOL
@@ -139,6 +148,10 @@ def print_summary(s: dict) -> None:
     con.print(f"attention stack: {s['tokens_per_s']:.2f} tokens/s (median step {s['median_step_s'] * 1e3:.2f} ms, "
               f"first step {s['first_step_s'] * 1e3:.0f} ms incl. compile), {s['launches_per_token']} kernel launches/token")
     con.print(f"KV read per token: {s['kv_bytes_per_token'] / 1e6:.2f} MB ({s['kv_gb_per_s']:.2f} GB/s achieved)")
+    if "flop_floor_s" in s:
+        con.print(f"FLOP floor per token: {s['flop_floor_s'] * 1e3:.2f} ms ({s['flop_per_token'] / 1e9:.2f} GFLOP at this "
+                  f"CPU's measured FMA peak, {s['fma_peak_gflop_s']:.0f} GFLOP/s): the step runs at "
+                  f"{s['share_of_floor']:.0%} of it")
     if "max_rel_error" in s:
         ok = s["max_rel_error"] <= s["rel_error_bound"]
         con.print(f"max relative error vs float64 reference: {s['max_rel_error']:.3e} "
