@@ -8,7 +8,7 @@ from muser_ti.kernels import halves
 from muser_ti.kernels.common import on_gpu
 from muser_ti.kernels.interleaved import build_interleaved
 from muser_ti.kernels.common import VISIT_OWNER
-from muser_ti.kernels.splitk import block_owner, build_splitk, splitk_geometry
+from muser_ti.kernels.splitk import CPU_TARGET_ITEMS, block_owner, build_splitk, cpu_split_geometry, splitk_geometry
 
 
 @pytest.mark.parametrize("visible, expected", [
@@ -26,6 +26,18 @@ def test_rule_never_leaves_a_simdgroup_empty(visible):
     blocks = (visible + 31) // 32
     assert nwg == min(blocks, 32) and nsg in (1, 2, 4)
     assert nwg * nsg <= blocks
+
+
+@pytest.mark.parametrize("n_pairs", [1, 2, 3, 26, 78, 200])
+@pytest.mark.parametrize("visible", [1, 33, 2048, 2049, 32768, 131072])
+def test_cpu_split_keeps_the_chapters_simdgroups_and_enough_items(n_pairs, visible):
+    """The CPU shares CPU_TARGET_ITEMS workgroups over the launch's pairs: at least one a pair, never more
+    than the chapter's, and the chapter's nsg (so its ownership)."""
+    nwg, nsg = cpu_split_geometry(visible, n_pairs)
+    chapter_nwg, chapter_nsg = splitk_geometry(visible)
+    assert nsg == chapter_nsg and 1 <= nwg <= chapter_nwg
+    assert nwg == chapter_nwg or n_pairs * nwg >= CPU_TARGET_ITEMS  # fewer only where the items still fill it
+    assert n_pairs * (nwg - 1) < CPU_TARGET_ITEMS or nwg == 1  # and no more than it takes
 
 
 @pytest.mark.parametrize("nwg", [1, 2, 3, 7, 32])
