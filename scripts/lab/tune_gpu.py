@@ -7,6 +7,7 @@
     python scripts/lab/tune_gpu.py launch --arch cuda
     python scripts/lab/tune_gpu.py paths --arch cuda --depths 2048,131072
     python scripts/lab/tune_gpu.py stephost --arch cuda --depth 2048
+    python scripts/lab/tune_gpu.py pipeline --arch vulkan --depth 2048
     python scripts/lab/tune_gpu.py readback --arch vulkan --rounds 3
     python scripts/lab/tune_gpu.py wake --arch vulkan --depths 2048 --rounds 3     # as root
 
@@ -62,6 +63,11 @@ of halting), then free again, --rounds rounds each, on one engine per depth.  On
 vCPU may halt until the device's interrupt wakes it.  On lavapipe here (run 27) the engine's download after a
 kernel fell from 727-788 to 320-340 us held, and stayed there in the same process after the release, so
 "free after held" is its own phase, not a round of "free".
+
+pipeline: where a pipelined step_device token's wall time goes with deferred checks (bench.py's
+"pipelined_deferred"): N tokens issued back to back, then eng.sync() and ti.sync(); per token, the host's
+issue (until the N calls return) and the wait after them, for N = 16, 64 and 192, and an idle ti.sync() alone.
+If the total per token tracks the issue, the host bounds the token, not the device.
 
 Every figure is a median; rows are printed as JSON lines and written to --json.
 """
@@ -573,9 +579,58 @@ def stephost(args, rows) -> None:
     emit(row, rows)
 
 
+def pipeline(args, rows) -> None:
+    """Issue against wait for pipelined step_device tokens: see the module docstring."""
+    import taichi as ti
+
+    cfg = mt.load_config(args.config)
+    rng = np.random.default_rng(args.seed)
+    lengths = (16, 64, 192)  # under REFUSAL_RING (256), where the engine would look at the flags itself
+    longest = lengths[-1]
+    eng = mt.Engine(cfg.with_overrides(swa_ring_slack=max(cfg.swa_ring_slack, longest)), arch=args.arch,
+                    pinned="off", device_checks="deferred")
+    prefill(eng, args.depth - longest, rng)
+    dev = device_token(*random_token(cfg, rng))
+    out = ti.ndarray(ti.f32, dev[0].shape)
+    base = eng.position
+    row = {"what": "pipelined step_device (deferred checks)", "arch": eng.arch, "depth": args.depth,
+           "idle_sync_us": median_s(ti.sync, args.repeats) * 1e6}
+    for n in lengths:
+        issue, total = [], []
+        for _ in range(args.repeats + 2):
+            eng.rewind(base)
+            ti.sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                eng.step_device(*dev, out)
+            t1 = time.perf_counter()
+            eng.sync()
+            ti.sync()
+            issue.append((t1 - t0) / n)
+            total.append((time.perf_counter() - t0) / n)
+        row[f"issue_{n}_us"] = statistics.median(issue[2:]) * 1e6
+        row[f"total_{n}_us"] = statistics.median(total[2:]) * 1e6
+    hot = []  # 16 tokens issued right behind 16 untimed ones: the device already busy, no idle gap before
+    for _ in range(args.repeats + 2):
+        eng.rewind(base)
+        ti.sync()
+        for _ in range(16):
+            eng.step_device(*dev, out)
+        t0 = time.perf_counter()
+        for _ in range(16):
+            eng.step_device(*dev, out)
+        eng.sync()
+        ti.sync()
+        hot.append((time.perf_counter() - t0) / 16)
+    row["total_16_behind_16_us"] = statistics.median(hot[2:]) * 1e6
+    eng.rewind(base)
+    emit(row, rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("tiles", "step", "trace", "launch", "paths", "stephost", "readback", "wake"))
+    ap.add_argument("mode", choices=("tiles", "step", "trace", "launch", "paths", "stephost", "readback", "wake",
+                                     "pipeline"))
     ap.add_argument("--arch", default="cuda")
     ap.add_argument("--config", default="glimmer.yaml")
     ap.add_argument("--depths", default="2048,131072", help="tiles, trace, paths, wake: comma-separated key counts")
@@ -596,7 +651,7 @@ def main(argv=None) -> int:
     args.variants = args.variants.split(";")
     rows: list = []
     {"tiles": tiles, "step": step, "trace": trace, "launch": launch, "paths": paths,
-     "stephost": stephost, "readback": readback, "wake": wake}[args.mode](args, rows)
+     "stephost": stephost, "readback": readback, "wake": wake, "pipeline": pipeline}[args.mode](args, rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=1))
