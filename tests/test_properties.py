@@ -208,7 +208,7 @@ class Driver:
         now = live(self.eng)
         saved_live, history_k, history_v = self.saved
         self.eng.load(self.path)
-        assert_live_equal(saved_live, live(self.eng))
+        assert_live_equal(saved_live, live(self.eng), loaded=self.eng)
         self.s.history_k, self.s.history_v = list(history_k), list(history_v)
         log, self.log = self.log, None
         for op, inputs, result in log:
@@ -223,7 +223,7 @@ class Driver:
             else:
                 assert self.rewind(inputs) == result
         self.log = log  # the save still stands
-        assert_live_equal(now, live(self.eng))
+        assert_live_equal(now, live(self.eng), loaded=self.eng)
 
 
 def _run_session(arch, spec, tmp_path, strict=False):
