@@ -45,6 +45,12 @@ def kv_bytes(g: Geometry, depth: int) -> int:
     return swa_bytes(g, depth) + nope_bytes(g, depth)
 
 
+def attention_flop(g: Geometry, rows: float) -> float:
+    """FLOPs of one token's attention over ``rows`` KV rows (summed over the layers): QK and PV, a multiply and
+    an add each, for every query head (each K/V element feeds n_heads / n_kv_heads of them): the CPU's floor."""
+    return 4.0 * g.n_heads * g.head_dim * rows
+
+
 @dataclass(frozen=True)
 class DepthRow:
     """One line of the §16.7 table."""

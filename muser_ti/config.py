@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, shown
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -110,18 +110,17 @@ _REQUIRED = _FIELDS[:8]
 _MAX_HEADS = 1024
 _MAX_LAYERS = 4096
 _MAX_CONTEXT = 1 << 24  # int32 row arithmetic in the kernels stays far from overflow
-_MAX_PLANE_ELEMENTS = 1 << 31  # a class's plane, indexed with 32 bits (see _validate)
+MAX_PLANE_ELEMENTS = 1 << 31  # a class's plane, indexed with 32 bits (see _validate; inputs.capacity)
 _MAX_TOKEN_ELEMENTS = 1 << 26  # a token's q (and output): 256 MiB of f32, 12,800x Glimmer's
 
 
-def _shown(value: Any, limit: int = 80) -> str:
-    """repr(value), cut to ``limit`` characters: an error message never prints a whole hostile value."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+def plane_elements(geom: Geometry, layers, rows: int) -> int:
+    """Elements of the plane the given layers share, at ``rows`` rows."""
+    return len(layers) * geom.n_kv_heads * rows * geom.head_dim
 
 
 def _fail(source: str, field_name: str, value: Any, expected: str) -> ConfigError:
-    return ConfigError(f"{source}: field '{field_name}': got {_shown(value)}; expected {expected}")
+    return ConfigError(f"{source}: field '{field_name}': got {shown(value)}; expected {expected}")
 
 
 def _int_field(raw: dict, source: str, name: str, lo: int, hi: int) -> int:
@@ -138,7 +137,7 @@ def _validate(raw: Any, source: str) -> Geometry:
         raise ConfigError(f"{source}: expected a mapping of fields at the top level, got {type(raw).__name__}")
     unknown = sorted((k for k in raw if k not in _FIELDS), key=repr)
     if unknown:
-        raise ConfigError(f"{source}: unknown field(s) {_shown(unknown)}; allowed fields are {list(_FIELDS)}")
+        raise ConfigError(f"{source}: unknown field(s) {shown(unknown)}; allowed fields are {list(_FIELDS)}")
     missing = [f for f in _REQUIRED if f not in raw]
     if missing:
         raise ConfigError(f"{source}: missing required field(s) {missing}")
@@ -204,8 +203,8 @@ def _validate(raw: Any, source: str) -> Geometry:
     # producer with flat row indices, kernels/producer.py plane_flat), so a plane stays under 2**31 elements.
     for kind, layers, rows, field_name in ((NOPE, geom.nope_layers, max_context, "max_context"),
                                             (SWA, geom.swa_layers, geom.swa_ring_capacity, "window")):
-        elements = len(layers) * n_kv_heads * rows * head_dim
-        if elements >= _MAX_PLANE_ELEMENTS:
+        elements = plane_elements(geom, layers, rows)
+        if elements >= MAX_PLANE_ELEMENTS:
             raise _fail(source, field_name, raw[field_name],
                         f"a {kind} plane under 2**31 elements ({len(layers)} layers x n_kv_heads={n_kv_heads} x "
                         f"{rows} rows x head_dim={head_dim} = {elements:,}); Taichi indexes planes with 32 bits")
@@ -236,7 +235,7 @@ class StrictLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {_shown(key)}", key_node.start_mark)
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {shown(key)}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
 

@@ -5,6 +5,12 @@ anything is written: a refused call leaves the engine and its cache exactly as t
 """
 
 
+def shown(value, limit: int = 80) -> str:
+    """repr(value), cut to ``limit`` characters: an error message never prints a whole hostile value."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 class ConfigError(ValueError):
     """A geometry file or value is invalid; the message names file, field, value and allowed range."""
 

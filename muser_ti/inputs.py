@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import F16_MAX, NOPE, SWA, Geometry
+from .config import F16_MAX, MAX_PLANE_ELEMENTS, NOPE, SWA, Geometry, plane_elements
 from .errors import EngineError
-
-PLANE_ELEMENTS_MAX = 1 << 31  # a class's plane is indexed with 32 bits (config.py checks the geometry's own)
 
 
 def token_shapes(cfg: Geometry) -> dict[str, tuple[int, int, int]]:
@@ -44,9 +42,9 @@ def capacity(cfg: Geometry, value) -> int | None:
     if value < 1:
         raise EngineError(f"capacity={value}: expected a positive integer")
     for kind, layers, rows in ((SWA, cfg.swa_layers, value), (NOPE, cfg.nope_layers, min(value, cfg.max_context))):
-        elements = len(layers) * cfg.n_kv_heads * rows * cfg.head_dim
-        if elements >= PLANE_ELEMENTS_MAX:
-            most = (PLANE_ELEMENTS_MAX - 1) // (len(layers) * cfg.n_kv_heads * cfg.head_dim)
+        elements = plane_elements(cfg, layers, rows)
+        if elements >= MAX_PLANE_ELEMENTS:
+            most = (MAX_PLANE_ELEMENTS - 1) // plane_elements(cfg, layers, 1)
             raise EngineError(f"capacity={value}: the {kind} plane would hold {elements:,} elements ({len(layers)} layers x "
                               f"{cfg.n_kv_heads} kv heads x {rows} rows x head_dim {cfg.head_dim}), past the 2**31 Taichi "
                               f"indexes; expected at most {most:,} for this geometry")

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import NOPE, SWA, Geometry, geometry_from_dict
-from .errors import ConfigError, SnapshotError
+from .errors import ConfigError, SnapshotError, shown
 from .kv_cache import PLANE_DTYPE, STATE_FIELDS as _STATE_FIELDS, KVCache
 from .planes import PlaneState, fresh_capacity, plane_shape
 
@@ -269,19 +269,14 @@ def read(path: str | os.PathLike) -> _Snapshot:
 
     counts = meta.get("route_counts", {})
     if not isinstance(counts, dict) or any(r not in ROUTES or not _int(c) or c < 0 for r, c in counts.items()):
-        raise SnapshotError(f"{where}: route_counts {_short(counts)}: expected a mapping of routes {list(ROUTES)} "
+        raise SnapshotError(f"{where}: route_counts {shown(counts)}: expected a mapping of routes {list(ROUTES)} "
                             f"to non-negative integers")
     routes = meta.get("routes")
     if not isinstance(routes, list) or len(routes) != geom.n_layers or any(r is not None and r not in ROUTES
                                                                            for r in routes):
-        raise SnapshotError(f"{where}: routes {_short(routes)}: expected one route of {list(ROUTES)} (or null) for "
+        raise SnapshotError(f"{where}: routes {shown(routes)}: expected one route of {list(ROUTES)} (or null) for "
                             f"each of the {geom.n_layers} layers")
     return _Snapshot(path, geom, meta, tensors)
-
-
-def _short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def check_fits(snap: _Snapshot, cache: KVCache) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 import muser_ti as mt
+from muser_ti.bandwidth import attention_flop
 
 ROUTE_KIND = {"splitk": "swa", "interleaved": "nope"}
 def prefill(eng: mt.Engine, n: int, rng, chunk: int = 4096) -> None:
@@ -80,17 +81,12 @@ def layer_geometry(base: mt.Geometry, route: str, depth: int) -> mt.Geometry:
                                window=depth, max_context=depth, swa_ring_slack=0)
 
 
-def attention_flop(cfg: mt.Geometry, visibles: list[int]) -> float:
-    """FLOPs of one token's attention over ``visibles`` rows per layer: QK and PV, a multiply and an add each."""
-    return 4.0 * cfg.n_heads * cfg.head_dim * sum(visibles)
-
-
 def finish(row: dict, cfg: mt.Geometry, visibles: list[int], copy_gb_s: float = 0.0,
            fma_peak_gflop_s: float = 0.0) -> dict:
     """A row's bytes, rates and floor: the KV bytes at the measured copy bandwidth (GPU), or the FLOPs at the
     measured FMA peak (CPU, muser_ti.fma_peak)."""
     kv_bytes = sum(visibles) * cfg.kv_bytes_per_row
-    flop = attention_flop(cfg, visibles)
+    flop = attention_flop(cfg, sum(visibles))
     row["kv_mb"] = kv_bytes / 1e6
     row["ours_gb_s"] = kv_bytes / (row["ours_ms"] * 1e-3) / 1e9
     row["ours_gflop_s"] = flop / (row["ours_ms"] * 1e-3) / 1e9

@@ -21,6 +21,7 @@ import numpy as np
 
 import muser_ti as mt
 from muser_ti import fma_peak, ladder
+from muser_ti.bandwidth import attention_flop
 from muser_ti.cli import stdout_for_data
 from muser_ti.reference import relative_error
 
@@ -113,7 +114,7 @@ def run(args) -> dict:
     # the FLOP floor: this token's attention at the CPU's f32 FMA peak, measured by a kernel of our own in a
     # process of its own (muser_ti.fma_peak), now that the engine is idle
     rows = statistics.mean(kv_bytes) / cfg.kv_bytes_per_row
-    summary["flop_per_token"] = 4.0 * H * D * rows  # QK and PV, a multiply and an add each
+    summary["flop_per_token"] = attention_flop(cfg, rows)
     if eng.arch == "cpu":
         peak = fma_peak.probe()["gflop_s"]
         summary["fma_peak_gflop_s"] = peak

@@ -11,15 +11,13 @@ Every timed step attends exactly the depth: the engine is prefilled to depth - 1
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 import muser_ti as mt
-from muser_ti.cli.bench_common import prefill, random_token
+from muser_ti.cli.bench_common import prefill, timed_step
 
 
 def main(argv=None) -> int:
@@ -34,16 +32,9 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     eng = mt.Engine(cfg, arch="cpu", pinned=args.pinned)
     prefill(eng, args.depth - 1, rng)
-    q, k, v = random_token(cfg, rng)
-    base = eng.position
-    times = []
-    for _ in range(5 + args.steps):
-        eng.rewind(base)
-        t0 = time.perf_counter()
-        eng.step(q, k, v)
-        times.append(time.perf_counter() - t0)
+    seconds, _ = timed_step(eng, rng, args.steps, warmup=5)
     row = {"pinned": args.pinned, "depth": args.depth, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
-           "median_ms": statistics.median(times[5:]) * 1e3, "routes": dict(eng.route_counts)}
+           "median_ms": seconds * 1e3, "routes": dict(eng.route_counts)}
     with args.out.open("a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row))
