@@ -16,9 +16,9 @@ from sessions import Session
 def test_our_cuda_layer_agrees_with_llama_cpps_cuda_kernel(arch, route, dist):
     if arch != "cuda":
         pytest.skip(f"llama.cpp's CUDA kernel is a CUDA peer; {arch} has none")
-    from muser_ti.pinned import ggml_cuda
+    from muser_ti.bench import ggml_cuda_peer
 
-    ok, why = ggml_cuda.status()
+    ok, why = ggml_cuda_peer.status()
     if not ok:
         pytest.skip(why)
     kind, rows = ("nope" if route == "interleaved" else "swa"), 4096
@@ -32,7 +32,7 @@ def test_our_cuda_layer_agrees_with_llama_cpps_cuda_kernel(arch, route, dist):
     logicals = reference.visible_logicals(rows - 1, 0)
     kr, vr = reference.gather(kp, st, logicals, layout), reference.gather(vp, st, logicals, layout)
     ref = reference.attention(q[0], kr, vr, cfg.attention_scale)
-    peer = ggml_cuda.GgmlCudaAttn(cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, rows, cfg.attention_scale)
+    peer = ggml_cuda_peer.GgmlCudaAttn(cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, rows, cfg.attention_scale)
     try:
         peer.load(np.swapaxes(kr, 0, 1), np.swapaxes(vr, 0, 1))
         theirs = peer.attend(q[0])

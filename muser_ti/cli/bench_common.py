@@ -84,7 +84,7 @@ def layer_geometry(base: mt.Geometry, route: str, depth: int) -> mt.Geometry:
 def finish(row: dict, cfg: mt.Geometry, visibles: list[int], copy_gb_s: float = 0.0,
            fma_peak_gflop_s: float = 0.0) -> dict:
     """A row's bytes, rates and floor: the KV bytes at the measured copy bandwidth (GPU), or the FLOPs at the
-    measured FMA peak (CPU, muser_ti.fma_peak)."""
+    measured FMA peak (CPU, muser_ti.bench.fma_peak)."""
     kv_bytes = sum(visibles) * cfg.kv_bytes_per_row
     flop = attention_flop(cfg, sum(visibles))
     row["kv_mb"] = kv_bytes / 1e6

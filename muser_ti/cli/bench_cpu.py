@@ -5,7 +5,7 @@ every node's barrier for a descheduled thread (2-5x slower on the 2-core develop
 barely moves, and the ratio means nothing.  So every (case, side) runs in a fresh process, the sides take
 turns for --rounds rounds, and a figure is the median of its processes' medians, each over --repeats calls
 after two untimed ones, wall time per call for both sides.  The floor is the case's FLOPs at this CPU's f32
-FMA peak, measured the same way by muser_ti.fma_peak (a kernel of our own), not taken from a data sheet.
+FMA peak, measured the same way by muser_ti.bench.fma_peak (a kernel of our own), not taken from a data sheet.
 
 Cases: one layer per route (splitk: an SWA ring whose window is the depth; interleaved: a NoPE plane) and the
 whole model's step, at the given depths.  Ours: Engine(pinned="off").step + rewind(1), so every call attends
@@ -25,8 +25,8 @@ import sys
 import numpy as np
 
 import muser_ti as mt
-from muser_ti import fma_peak
-from muser_ti.measure import child_env, machine, median_time
+from muser_ti.bench import fma_peak
+from muser_ti.bench.timing import child_env, machine, median_time
 
 from .bench_common import finish, layer_geometry, prefill, report, timed_step
 

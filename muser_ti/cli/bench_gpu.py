@@ -13,8 +13,8 @@ import numpy as np
 
 import muser_ti as mt
 from muser_ti import reference
-from muser_ti.measure import (GRAPH_REPLAYS, copy_bandwidth_gb_s, cupti_busy, graph_repeat_us, machine,
-                              recorded_dispatches)
+from muser_ti.bench.timing import (GRAPH_REPLAYS, copy_bandwidth_gb_s, cupti_busy, graph_repeat_us, machine,
+                                   recorded_dispatches)
 
 from .bench_common import (ROUTE_KIND, device_token, finish, int_list, layer_geometry, prefill, random_token, report,
                            timed_device_step, timed_step)
@@ -78,10 +78,10 @@ def torch_sdpa_busy_ms(torch, cfg, depth: int, repeats: int) -> float:
 def ggml_cuda_peer(eng: mt.Engine, route: str, q: np.ndarray, ours: np.ndarray, repeats: int) -> dict:
     """llama.cpp's CUDA kernel over the rows our layer attended (the same f16 bytes), by CUPTI; and its
     output against ours and the float64 reference, in the llama rung's units (max |V|).  Empty where no
-    CUDA build of the pinned ggml is present (muser_ti/pinned/ggml_cuda.py says how to get one)."""
-    from muser_ti.pinned import ggml_cuda
+    CUDA build of the pinned ggml is present (muser_ti/bench/ggml_cuda_peer.py says how to get one)."""
+    from muser_ti.bench import ggml_cuda_peer as ggml_peer  # the module (this function is its user)
 
-    ok, why = ggml_cuda.status()
+    ok, why = ggml_peer.status()
     if not ok:
         print(f"llama.cpp CUDA peer not timed: {why}", file=sys.stderr)
         return {}
@@ -93,7 +93,7 @@ def ggml_cuda_peer(eng: mt.Engine, route: str, q: np.ndarray, ours: np.ndarray, 
     rows = reference.visible_logicals(p, cfg.window if kind == "swa" else 0)
     k = reference.gather(kp, st, rows, layout)  # [rows, KV, D]
     v = reference.gather(vp, st, rows, layout)
-    peer = ggml_cuda.GgmlCudaAttn(cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, len(rows), cfg.attention_scale)
+    peer = ggml_peer.GgmlCudaAttn(cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, len(rows), cfg.attention_scale)
     try:
         peer.load(np.swapaxes(k, 0, 1), np.swapaxes(v, 0, 1))
         theirs = peer.attend(q[0])
@@ -118,7 +118,7 @@ def layer_launch(eng: mt.Engine, route: str):
 
 
 def cupti_layer_row(eng: mt.Engine, route: str, repeats: int, path=None) -> dict:
-    """One layer's launch pair under CUPTI (muser_ti.measure), synchronised each time: medians of the GPU's
+    """One layer's launch pair under CUPTI (muser_ti.bench.timing), synchronised each time: medians of the GPU's
     busy time (the union of the pair's kernel spans), each kernel's time and the host's wall per pair."""
     import taichi as ti
 

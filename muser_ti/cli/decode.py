@@ -20,7 +20,8 @@ from collections import Counter
 import numpy as np
 
 import muser_ti as mt
-from muser_ti import fma_peak, ladder
+from muser_ti import ladder
+from muser_ti.bench import fma_peak
 from muser_ti.bandwidth import attention_flop
 from muser_ti.cli import stdout_for_data
 from muser_ti.reference import relative_error
@@ -112,7 +113,7 @@ def run(args) -> dict:
         "kv_gb_per_s": statistics.mean(kv_bytes) / median / 1e9,
     }
     # the FLOP floor: this token's attention at the CPU's f32 FMA peak, measured by a kernel of our own in a
-    # process of its own (muser_ti.fma_peak), now that the engine is idle
+    # process of its own (muser_ti.bench.fma_peak), now that the engine is idle
     rows = statistics.mean(kv_bytes) / cfg.kv_bytes_per_row
     summary["flop_per_token"] = attention_flop(cfg, rows)
     if eng.arch == "cpu":

@@ -51,7 +51,7 @@ ggml_cuda() {  # the peer for the bench (built now if no earlier call on this ma
   fi
   ggml_cuda_build || return
   export MUSER_GGML_CUDA_DIR=$GGML_CUDA LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-  python3 -c "from muser_ti.pinned import ggml_cuda; print('== llama.cpp CUDA peer:', ggml_cuda.status())"
+  python3 -c "from muser_ti.bench import ggml_cuda_peer; print('== llama.cpp CUDA peer:', ggml_cuda_peer.status())"
 }
 
 bench() {  # name, command...: the command's JSON rows, one line each

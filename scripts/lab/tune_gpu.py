@@ -89,8 +89,8 @@ import muser_ti as mt
 from muser_ti import inputs
 from muser_ti.cli.bench_common import device_token, layer_geometry, prefill, random_token, rewound_median
 from muser_ti.cli.bench_gpu import cupti_layer_row
-from muser_ti.measure import graph_repeat_us, median_time as median_s, recorded_dispatches
-from muser_ti.measure import profile_calls, summarize_trace
+from muser_ti.bench.timing import graph_repeat_us, median_time as median_s, recorded_dispatches
+from muser_ti.bench.timing import profile_calls, summarize_trace
 from muser_ti.kernels.common import HEAD_MAJOR
 from muser_ti.kernels.producer import addressing, build_gpu_producer, tile_plan
 from muser_ti.kernels.producer.gpu_common import SHARED_BUDGET_BYTES

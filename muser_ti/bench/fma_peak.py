@@ -1,6 +1,6 @@
 """This CPU's f32 fused-multiply-add peak, measured by a kernel of our own: the FLOP floor's denominator.
 
-    python -m muser_ti.fma_peak          # prints {"gflop_s": ..., "threads": ..., ...} as JSON
+    python -m muser_ti.bench.fma_peak          # prints {"gflop_s": ..., "threads": ..., ...} as JSON
 
 It runs in a process of its own: it starts Taichi on the CPU with fast_math on, which is what lets LLVM
 emit ``vfmadd`` and vectorise a reduction (the engine's CPU runtime keeps fast_math off, backend.py says
@@ -31,7 +31,7 @@ def measure(threads=None, repeats: int = REPEATS) -> dict:
     import numpy as np
     import taichi as ti
 
-    from .kernels.producer import CPU_TASK_ITERATIONS
+    from ..kernels.producer import CPU_TASK_ITERATIONS
 
     threads = threads or os.cpu_count() or 1
     ti.init(arch=ti.cpu, fast_math=True, cpu_max_num_threads=threads, log_level=ti.WARN)
@@ -67,9 +67,9 @@ def measure(threads=None, repeats: int = REPEATS) -> dict:
 
 def probe(timeout: float = 120.0) -> dict:
     """measure() in a fresh process (the caller may have started Taichi with other settings)."""
-    from .measure import child_env
+    from .timing import child_env
 
-    done = subprocess.run([sys.executable, "-m", "muser_ti.fma_peak"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "muser_ti.bench.fma_peak"], capture_output=True, text=True,
                           timeout=timeout, check=True, env=child_env())
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -1,8 +1,8 @@
-"""muser_ti/measure.py: the per-step summary of a CUPTI trace (pure arithmetic on chrome-trace events)."""
+"""muser_ti/bench/timing.py: the per-step summary of a CUPTI trace (pure arithmetic on chrome-trace events)."""
 
 import pytest
 
-from muser_ti import measure as cupti
+from muser_ti.bench import timing as cupti
 
 
 def event(cat, name, ts, dur):
@@ -43,3 +43,13 @@ def test_summary_counts_each_steps_kernels_until_the_next_step():
     # the timeline is the step before last, to the next step's start, every category it keeps
     assert r["timeline"] == [(5, 4, "cuda_driver", "cuLaunchKernel"), (10, 80, "kernel", "producer"),
                              (120, 10, "kernel", "reduce"), (150, 3, "cuda_driver", "cuLaunchKernel")]
+
+
+def test_child_env_makes_the_package_importable_in_a_child():
+    """A measurement's child process (fma_peak.probe, the CPU bench's sides) imports this package: the first
+    PYTHONPATH entry is the folder that holds muser_ti/, wherever the helpers live in it."""
+    import os
+    from pathlib import Path
+
+    first = Path(cupti.child_env()["PYTHONPATH"].split(os.pathsep)[0])
+    assert (first / "muser_ti" / "__init__.py").is_file()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .ggml import PINNED_GGML_VERSION
+from ..pinned.ggml import PINNED_GGML_VERSION
 
 DIR_ENV = "MUSER_GGML_CUDA_DIR"
 GGML_TYPE_F32, GGML_TYPE_F16, GGML_PREC_F32 = 0, 1, 10

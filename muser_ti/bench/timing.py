@@ -41,7 +41,7 @@ def median_time(fn, repeats: int, warmup: int = 2) -> float:
 def child_env() -> dict:
     """The environment for a measurement in a process of its own: this one's, with this package importable
     (a checkout run as ``python scripts/...`` has it on sys.path only)."""
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding muser_ti/
     paths = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
@@ -77,7 +77,7 @@ def graph_repeat_us(dispatches, k: int, repeats: int) -> float:
     bound: where the device outruns the host's issue of a dispatch in a graph, it is that issue's cost."""
     import taichi as ti
 
-    from .replay import GraphReplay
+    from ..replay import GraphReplay
 
     replay = GraphReplay()
 
