@@ -21,29 +21,22 @@ import numpy as np
 from . import backend, inputs, interrupts, ladder
 from .config import Geometry
 from .errors import EngineError, PinnedUnavailable, PlaneError
+from .config import NOPE
 from .kv_cache import LAYOUT_OF, KVCache
 from .kernels.stores import REFUSAL_RING
 from .launch import InFlight, Launcher
 from .pinned import AUTO_REASON, mirror as plane_mirror, pinned_status
 from .pinned.vec import VecRung
 from .planes import PlaneState, visible_span
-from .reference import over_planes
+from .reference import gather, over_planes
+from .token import Prompt, Token
 
 GRAPHS = ("teacher", "serving")
 PINNED_MODES = ("auto", "on", "off")
 DEVICE_CHECKS = ("per_token", "deferred")
 
 
-def _atomically(commit) -> None:
-    """Run ``commit`` (a commit section: device writes, then bookkeeping that sets rather than steps) so that
-    it happens or not, never half: Ctrl-C is held back through it, and if anything raises inside it, it runs
-    once more, which completes it (its writes land where they landed), before the exception goes on."""
-    with interrupts.held_back():
-        try:
-            commit()
-        except BaseException:
-            commit()
-            raise
+_atomically = interrupts.atomically
 
 
 def pinned_library_status(arch: str = "auto") -> tuple[bool, str]:
@@ -101,6 +94,7 @@ class Engine:
         self.device_checks = device_checks
         self._in_flight = InFlight()  # deferred checks: the steps since the host last looked
         self._serial = 0  # commits so far: what makes a retried commit count its token once (RouteLog.record)
+        self._open = None  # the per-layer token or prompt being run (token.py), which holds every other call off
 
     # ---- state the user reads --------------------------------------------------------------------
     @property
@@ -190,6 +184,7 @@ class Engine:
         Steps that need the activations on the host (a pinned llama.cpp route, mirror planes) copy them.
         """
         self.cache.check_alive()
+        self._check_none_open()
         inputs.device_token(self.cfg, {"q": q, "k": k, "v": v, "out": out})
         launcher = self.launcher
         if self.device_checks == "deferred" and launcher.unlooked >= REFUSAL_RING:
@@ -235,10 +230,53 @@ class Engine:
         new_states = self._planned(self.cache.plan_rewind, position)
         _atomically(lambda: self.cache.rewind(position, new_states))
 
+    def token(self, n: int = 1) -> Token:
+        """Open the next token (n tokens: a verify pass) for attention one layer at a time, as a model's forward
+        calls it (token.py)::
+
+            with eng.token() as t:
+                out_l = t.attend(layer, q_l, k_l, v_l)   # q_l [n_heads, head_dim], k_l/v_l [n_kv_heads, head_dim]
+
+        Layers attend in order, each once; the token commits at the block's end when every layer has, and an
+        exception between layers leaves the engine exactly as before it.  Same routes and output bits as
+        step() for the same token.  Without a with-block: t.commit() after the last layer, or t.abandon()."""
+        return Token(self, n)
+
+    def prompt(self, n: int) -> Prompt:
+        """Open a prompt of n tokens whose K/V arrive layer by layer, with no attention (the framework's own
+        attention computes the prompt's outputs): ``with eng.prompt(n) as pr: pr.store(layer, k_l, v_l)``;
+        it commits as one prefill (ring wrap and NoPE growth as prefill()) once every layer has stored."""
+        return Prompt(self, n)
+
+    @property
+    def open_token(self):
+        """The per-layer token or prompt being run, or None."""
+        return self._open
+
+    def _check_none_open(self) -> None:
+        if self._open is not None:
+            raise EngineError(f"{self._open.describe()}: finish it (every layer, then commit) or abandon() it first")
+
+    def cached_kv(self, layer: int, start: int) -> tuple[np.ndarray, np.ndarray]:
+        """float32 copies (k, v) [n, n_kv_heads, head_dim] of tokens start..position-1 as ``layer``'s plane holds
+        them (f16): what a framework's own attention needs for a multi-token forward after the prompt."""
+        layer = inputs.integer("cached_kv layer", layer)
+        if not 0 <= layer < self.cfg.n_layers:
+            raise EngineError(f"cached_kv layer {layer}: expected a layer in [0, {self.cfg.n_layers})")
+        start = inputs.position("cached_kv start", start, self.position)
+        k, v, st, layout = self.plane_rows(layer)
+        if start < st.origin_logical:
+            raise EngineError(f"cached_kv layer {layer} from {start}: the plane holds tokens {st.origin_logical}.."
+                              f"{st.origin_logical + st.len - 1} only (a ring keeps its window and slack)")
+        logicals = np.arange(start, self.position)
+        return (gather(k, st, logicals, layout).astype(np.float32), gather(v, st, logicals, layout).astype(np.float32))
+
     # ---- plan, then commit -----------------------------------------------------------------------
     def _settle(self) -> None:
-        """A point where the host synchronises: the engine must be alive and every deferred check looked at."""
+        """A point where the host synchronises: the engine must be alive, no per-layer token open, and every
+        deferred check looked at."""
         self.cache.check_alive()
+        self._check_none_open()
         if self._in_flight:
             self.sync()
 
@@ -256,6 +294,30 @@ class Engine:
         if p >= self.cfg.max_context:
             raise EngineError(f"position {p} is past max_context={self.cfg.max_context}")
         new_states = self._planned(self.cache.plan_append)
+        return (p, new_states, *self._routes_for(new_states))
+
+    def _plan_tokens(self, n: int) -> list[tuple]:
+        """_plan for the next n tokens, each on the states the ones before it leave (Engine.token(n)).  A growing
+        plane gets, for every token, the capacity the last needs: it grows once, when the token opens (its
+        rows keep their places, so the addressing and the ladder's choice are what n steps would give)."""
+        states, planned = self.cache.states(), []
+        for i in range(n):
+            p = self.position + i
+            if p >= self.cfg.max_context:
+                raise EngineError(f"position {p} is past max_context={self.cfg.max_context}")
+            states = self._planned(lambda: {kind: ps.check_append(p, states[kind])
+                                            for kind, ps in self.cache.planes.items()})
+            planned.append((p, states))
+        final = planned[-1][1]
+        plans = []
+        for p, states in planned:
+            states = {kind: st if kind != NOPE or st.capacity == final[kind].capacity else
+                      st.with_capacity(final[kind].capacity) for kind, st in states.items()}
+            plans.append((p, states, *self._routes_for(states)))
+        return plans
+
+    def _routes_for(self, new_states) -> tuple[list, tuple]:
+        """(route per layer, the routes as a tuple) on the plane states after the append."""
         strict = ladder.strict_attention()
         # the ladder depends on the layer's class and plane state only, so it is evaluated once per class;
         # forced layers are checked one by one
@@ -273,7 +335,7 @@ class Engine:
             raise PinnedUnavailable(
                 f"the ladder chose {pinned} ({ladder.STRICT_ENV} set or pinned forced) but the pinned library is not "
                 f"loaded: {self.pinned_description}")
-        return p, new_states, routes, mix
+        return routes, mix
 
     def _commit(self, plan, q, k, v, device=None, gate=None):
         """Write and attend the accepted token.  q, k, v: checked host arrays; or device = (q, k, v, out)

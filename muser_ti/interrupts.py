@@ -32,4 +32,16 @@ def held_back():
                 signal.raise_signal(signal.SIGINT)
 
 
-__all__ = ["held_back"]
+def atomically(commit) -> None:
+    """Run ``commit`` (a commit section: device writes, then bookkeeping that sets rather than steps) so that
+    it happens or not, never half: Ctrl-C is held back through it, and if anything raises inside it, it runs
+    once more, which completes it (its writes land where they landed), before the exception goes on."""
+    with held_back():
+        try:
+            commit()
+        except BaseException:
+            commit()
+            raise
+
+
+__all__ = ["atomically", "held_back"]

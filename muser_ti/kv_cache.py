@@ -116,6 +116,18 @@ class KVCache:
             grp = self._groups[layers] = LayerGroup(layers, slots, ld, sd)
         return grp
 
+    def token_group(self, layer: int) -> LayerGroup:
+        """One layer's launch when its activations come alone ([1, ...]: a per-layer token): activation row 0,
+        the layer's plane slot."""
+        key = ("token", layer)
+        grp = self._groups.get(key)
+        if grp is None:
+            ld, sd = ti.ndarray(ti.i32, (1,)), ti.ndarray(ti.i32, (1,))
+            ld.from_numpy(np.zeros(1, np.int32))
+            sd.from_numpy(np.asarray([self.slot[layer]], np.int32))
+            grp = self._groups[key] = LayerGroup((0,), (self.slot[layer],), ld, sd)
+        return grp
+
     def ensure_capacity(self, kind: str, capacity: int) -> None:
         """A growing plane moves its live rows into a larger allocation (amortised doubling)."""
         ps = self.planes[kind]

@@ -140,6 +140,16 @@ class RouteLog:
         if serial != self._serial:  # one statement: the count and the serial that guards it land together
             self._steps_by_mix, self._serial = {**self._steps_by_mix, mix: self._steps_by_mix.get(mix, 0) + 1}, serial
 
+    def record_many(self, steps: list[tuple[list[str], tuple[str, ...]]], serial: int) -> None:
+        """Several accepted tokens in one commit ``serial`` (Engine.token(n)): each (routes, mix) counts once,
+        and a retried commit counts none of them again; ``last`` is the last token's routes."""
+        self.last = steps[-1][0]
+        if serial != self._serial:
+            counts = dict(self._steps_by_mix)
+            for _, mix in steps:
+                counts[mix] = counts.get(mix, 0) + 1
+            self._steps_by_mix, self._serial = counts, serial
+
     def undo(self, mix: tuple[str, ...], last: list[str | None]) -> None:
         """Forget one recorded step (a token the device refused after it was counted)."""
         self._steps_by_mix[mix] -= 1

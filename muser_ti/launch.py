@@ -71,6 +71,7 @@ class Launcher:
         self.recorded = None  # the step's dispatches while a GPU step is being recorded
         self.launches = 0  # kernel launches of the last step (does not grow with the layer count)
         self.step_kernel = None  # CUDA, Vulkan: a step on the default routes is one dispatch
+        self._layer_host = self._layer_dev = None  # a per-layer token's arrays (attend_layer_host), made on first use
         if gpu and backend.active() in ONE_DISPATCH_ARCHS and SWA in cache.planes and NOPE in cache.planes:
             nope, swa = cache.planes[NOPE].layers, cache.planes[SWA].layers
             self.step_kernel = build_step_kernel(D, G, KV, H, len(nope), len(swa), cfg.attention_scale,
@@ -225,6 +226,73 @@ class Launcher:
             self.run_producer(self.splitk, self.reduce_f32, SWA, tuple(by_route[ladder.SPLITK]), new_states[SWA], p,
                               k_dev, v_dev, out_dev)
         return vec_layers, vec_out
+
+    # ---- one layer of a token (token.py) ---------------------------------------------------------
+    def attend_layer(self, plan, layer: int, route_sizes, q1, k1, v1, out1) -> None:
+        """One layer of a planned token (Engine._plan_tokens: position, states, routes, mix) on arrays the
+        kernels read: q1/out1 [1, heads, d], k1/v1 [1, kv heads, d].  The layer takes its route's kernels with
+        the split step() gives a launch over all ``route_sizes[route]`` layers on that route, so its output has
+        step()'s bits.  A pinned route reads host arrays: attend_layer_host."""
+        p, new_states, routes, _ = plan
+        route = routes[layer]
+        kind = SWA if route in (ladder.SPLITK, ladder.LLAMA_VEC_SWA) else NOPE
+        st, cache = new_states[kind], self.cache
+        grp = cache.token_group(layer)
+        if route == ladder.SPLITK:
+            self.launch(cache.stores[SWA].store_token, k1, v1, cache.k[SWA], cache.v[SWA], grp.layers_dev,
+                        grp.slots_dev, 1, st.physical(p))
+            producer, reduce = self.splitk, self.reduce_f32
+        elif route == ladder.INTERLEAVED:
+            producer, reduce = self.interleaved, self.reduce_v2
+        else:
+            raise EngineError(f"layer {layer}: route {route} reads host arrays (attend_layer_host)")
+        _, visible = visible_span(self.cfg, kind, p)
+        nwg, nsg = self.split_geometry(visible, route_sizes[route])
+        partials = self.partials_for(kind, 1, nwg)
+        self.launch(producer, q1, k1, v1, cache.k[kind], cache.v[kind], partials, self._no_visits, grp.layers_dev,
+                    grp.slots_dev, 1, p, window_of(self.cfg, kind), st.capacity, st.origin_logical,
+                    st.origin_physical, nwg, nsg, self.cfg.attention_scale)
+        self.launch(reduce, partials, out1, grp.layers_dev, 1, nwg)
+
+    def attend_layer_host(self, plan, layer: int, route_sizes, q1: np.ndarray, k1: np.ndarray, v1: np.ndarray,
+                          out1: np.ndarray) -> None:
+        """attend_layer on checked host arrays: zero-copy on the CPU; on a GPU through the engine's one-layer
+        device arrays (an upload each, a download of the output).  The pinned routes run here."""
+        p, new_states, routes, _ = plan
+        route = routes[layer]
+        if route in ladder.PINNED_ROUTES:
+            kind = SWA if route == ladder.LLAMA_VEC_SWA else NOPE
+            st, cache = new_states[kind], self.cache
+            grp = cache.token_group(layer)
+            self.launch(cache.stores[kind].store_token, k1, v1, cache.k[kind], cache.v[kind], grp.layers_dev,
+                        grp.slots_dev, 1, st.physical(p))
+            q_all, out_all = self.layer_host_arrays()
+            q_all[layer] = q1[0]
+            self.vec.run(kind, (layer,), st, p, q_all, out_all)
+            out1[0] = out_all[layer]
+            return
+        if not self.gpu:
+            self.attend_layer(plan, layer, route_sizes, q1, k1, v1, out1)
+            return
+        q_dev, k_dev, v_dev, out_dev = self.layer_device_arrays()
+        for dev, a in ((q_dev, q1), (k_dev, k1), (v_dev, v1)):
+            self.transfer.upload(dev, a)
+        self.attend_layer(plan, layer, route_sizes, q_dev, k_dev, v_dev, out_dev)
+        out1[...] = self.transfer.download(out_dev, out1.shape)
+
+    def layer_host_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """[layers, heads, d] host q and out for a pinned route's one layer (it indexes them by layer)."""
+        if self._layer_host is None:
+            self._layer_host = (np.zeros(self.shapes["q"], np.float32), np.zeros(self.shapes["out"], np.float32))
+        return self._layer_host
+
+    def layer_device_arrays(self) -> tuple:
+        """One layer's q, k, v and out on the device ([1, ...]), made once."""
+        if self._layer_dev is None:
+            g = self.cfg
+            self._layer_dev = (ti.ndarray(ti.f32, (1, g.n_heads, g.head_dim)), ti.ndarray(ti.f32, (1, g.n_kv_heads, g.head_dim)),
+                               ti.ndarray(ti.f32, (1, g.n_kv_heads, g.head_dim)), ti.ndarray(ti.f32, (1, g.n_heads, g.head_dim)))
+        return self._layer_dev
 
     # ---- the token's arrays ---------------------------------------------------------------------
     def upload(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple:

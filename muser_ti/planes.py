@@ -126,9 +126,10 @@ class PlaneSet:
         return window_of(self.geom, self.kind)
 
     # -- checks made before anything is written --------------------------------------------------
-    def check_append(self, position: int) -> PlaneState:
-        """The state after appending ``position``, or PlaneError if the plane cannot hold its window."""
-        st = self.state
+    def check_append(self, position: int, state: PlaneState | None = None) -> PlaneState:
+        """The state after appending ``position`` to ``state`` (the plane's own by default), or PlaneError if
+        the plane cannot hold its window.  A state passed in plans several tokens ahead (Engine.token(n))."""
+        st = self.state if state is None else state
         if st.len and st.origin_logical + st.len != position:
             raise PlaneError(f"{self.kind} plane holds tokens up to {st.origin_logical + st.len - 1}, cannot append {position}")
         if self.kind == NOPE and st.len + 1 > self.cap:
@@ -137,7 +138,7 @@ class PlaneSet:
                 f"cannot append token {position}"
             )
         if self.kind == NOPE and st.len + 1 > st.capacity:
-            st = st.with_capacity(self.grown_capacity(st.len + 1))
+            st = st.with_capacity(self.grown_capacity(st.len + 1, st.capacity))
         new = st.after_append(position)
         logical_start, visible = visible_span(self.geom, self.kind, position)
         if new.origin_logical > logical_start:
@@ -147,9 +148,10 @@ class PlaneSet:
             )
         return new
 
-    def grown_capacity(self, needed: int) -> int:
-        """Amortised doubling, capped: the next allocation of a growing plane."""
-        cap = max(self.state.capacity, 1)
+    def grown_capacity(self, needed: int, capacity: int | None = None) -> int:
+        """Amortised doubling, capped: the next allocation of a growing plane (now ``capacity``, the plane's own
+        by default)."""
+        cap = max(self.state.capacity if capacity is None else capacity, 1)
         while cap < needed:
             cap *= 2
         return min(cap, self.cap)

@@ -57,8 +57,35 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
             for slot, kvh, r, w in ti.ndrange(n_slots, KV, n_rows, W):
                 dst[slot, kvh, r, w] = src[slot, kvh, r, w]
 
-        return SimpleNamespace(store_token=store_token, store_tokens=store_tokens,
-                               copy_rows=copy_rows if layout == HEAD_MAJOR else None)
+        @ti.func
+        def word(plane: ti.template(), slot, row, kvh, w):
+            value = ti.u32(0)
+            if ti.static(layout == TOKEN_MAJOR):
+                value = plane[slot, row, kvh, w]
+            else:
+                value = plane[slot, kvh, row, w]
+            return value
+
+        @ti.kernel
+        def save_rows(plane: packed_plane, saved: packed_plane, n_slots: ti.i32, first: ti.i32, n_rows: ti.i32,
+                      capacity: ti.i32):
+            """Rows (first + t) % capacity, t < n_rows, of every layer of the class into saved[t, slot, kv, w]:
+            what a per-layer token overwrites, kept so that an abandoned token puts them back (token.py)."""
+            for t, slot, kvh, w in ti.ndrange(n_rows, n_slots, KV, W):
+                saved[t, slot, kvh, w] = word(plane, slot, (first + t) % capacity, kvh, w)
+
+        @ti.kernel
+        def restore_rows(saved: packed_plane, plane: packed_plane, n_slots: ti.i32, first: ti.i32, n_rows: ti.i32,
+                         capacity: ti.i32):
+            for t, slot, kvh, w in ti.ndrange(n_rows, n_slots, KV, W):
+                row = (first + t) % capacity
+                if ti.static(layout == TOKEN_MAJOR):
+                    plane[slot, row, kvh, w] = saved[t, slot, kvh, w]
+                else:
+                    plane[slot, kvh, row, w] = saved[t, slot, kvh, w]
+
+        return SimpleNamespace(store_token=store_token, store_tokens=store_tokens, save_rows=save_rows,
+                               restore_rows=restore_rows, copy_rows=copy_rows if layout == HEAD_MAJOR else None)
 
     return cached(("stores", D, KV, layout), build)
 

@@ -1,0 +1,322 @@
+"""A token attended one layer at a time, as a model's forward pass calls attention (Engine.token, Engine.prompt).
+
+In a transformer, layer l + 1's query comes from layer l's attention output, so a model cannot hand the
+engine every layer's q at once (Engine.step).  Here the token is planned once, as FlashInfer plans a batch
+once and runs it per layer: its position, every plane's state after the append and the ladder's route per
+layer, exactly as step() plans them.  Then each layer attends when the model gets to it, on the kernels and
+the split geometry step() would use for that layer (the split is sized by the number of layers on the
+route, as in step()'s one launch for them all), so a layer's output has step()'s bits.
+
+The token is atomic.  Opening it keeps what it will overwrite: the ring rows its append takes and, where a
+growing plane grows, the allocation before the growth.  It commits when every layer has attended; an
+exception or Ctrl-C between layers (the with-block's exit), or abandon(), puts those rows, allocations and
+states back, so the engine is exactly as before the token.  While a token is open the engine refuses every
+other call that reads or changes the cache, naming the open token.
+
+``Engine.token(n)`` attends n tokens at once (a speculative verify pass, a short chunk): each layer runs the
+n tokens in order, each over the cache and the chunk's earlier tokens, the same work as n steps.
+``Engine.prompt(n)`` ingests a prompt's K/V layer by layer without attention, for a framework whose own
+attention computes the prompt's outputs; it commits as one prefill.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from . import arrays, inputs, interrupts, ladder
+from .config import F16_MAX, NOPE, SWA
+from .errors import EngineError
+from .kernels import halves
+
+
+def _checked(where: str, name: str, a: np.ndarray, shape: tuple[int, ...], axes: tuple[str, ...]) -> np.ndarray:
+    """A host array of ``shape``, finite and within the f16 range the planes (and q) are held to."""
+    if a.shape != shape:
+        raise EngineError(f"{where} {name}: shape {a.shape}, expected {shape} ({', '.join(axes)})")
+    bad = ~(np.abs(a) <= F16_MAX)  # NaN compares false: caught with the infinities and the out-of-range values
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        value = a[idx]
+        what = "non-finite value" if not np.isfinite(value) else (
+            "value outside the f16 range the planes hold (|x| <= 65504)" if name != "q" else
+            "value outside the f16 range q is held to (|x| <= 65504)")
+        raise EngineError(f"{where} {name}: {what} {value:.6g} at " + ", ".join(f"{ax} {i}" for ax, i in zip(axes, idx)))
+    return a
+
+
+def _layer_shapes(cfg, n: int, q) -> tuple[bool, dict[str, tuple[int, ...]]]:
+    """(whether the caller's arrays carry the token axis, the [n, heads, d] shapes the kernels take)."""
+    ndim = len(tuple(q.shape))
+    return ndim == 3 or n > 1, {"q": (n, cfg.n_heads, cfg.head_dim), "k": (n, cfg.n_kv_heads, cfg.head_dim),
+                                "v": (n, cfg.n_kv_heads, cfg.head_dim)}
+
+
+class _Open:
+    """What Token and Prompt share: the engine they hold open, the layer order, the refusals."""
+
+    what = "token"
+
+    def __init__(self, engine, n: int):
+        n = inputs.integer(f"{type(self).__name__.lower()} n", n)
+        if n < 1:
+            raise EngineError(f"{self.what} n={n}: expected a positive number of tokens")
+        engine._settle()
+        self.engine, self.cfg, self.n = engine, engine.cfg, n
+        self.start = engine.position
+        if self.start + n > self.cfg.max_context:
+            raise EngineError(f"{self.what} of {n} token(s) at position {self.start} passes max_context="
+                              f"{self.cfg.max_context}")
+        self.next_layer = 0
+        self.is_open = False
+
+    def __repr__(self) -> str:
+        state = "open" if self.is_open else "closed"
+        return (f"<{type(self).__name__} {state}: {self.n} token(s) at position {self.start}, layer {self.next_layer} "
+                f"of {self.cfg.n_layers} next>")
+
+    def describe(self) -> str:
+        return (f"a {self.what} of {self.n} token(s) at position {self.start} is open (layers 0..{self.next_layer - 1} "
+                f"done, layer {self.next_layer} next)" if self.next_layer else
+                f"a {self.what} of {self.n} token(s) at position {self.start} is open (no layer done yet)")
+
+    def _check_layer(self, verb: str, layer) -> int:
+        if not self.is_open:
+            raise EngineError(f"{verb} layer {layer!r}: this {self.what} at position {self.start} is closed "
+                              f"(committed or abandoned); open a new one")
+        layer = inputs.integer(f"{verb} layer", layer)
+        L = self.cfg.n_layers
+        if not 0 <= layer < L:
+            raise EngineError(f"{verb} layer {layer}: expected a layer in [0, {L})")
+        if layer < self.next_layer:
+            raise EngineError(f"{verb} layer {layer}: layer {layer} has already {verb}ed this {self.what} (layers "
+                              f"0..{self.next_layer - 1} have); layer {self.next_layer} is next")
+        if layer > self.next_layer:
+            raise EngineError(f"{verb} layer {layer}: out of order: layer {self.next_layer} is next (layers "
+                              f"{verb} in order 0..{L - 1})")
+        return layer
+
+    def _missing(self) -> str | None:
+        L = self.cfg.n_layers
+        if self.next_layer == L:
+            return None
+        return (f"the {self.what} at position {self.start} cannot commit: layers {self.next_layer}..{L - 1} have not "
+                f"run (every layer runs once, in order)" if self.next_layer < L - 1 else
+                f"the {self.what} at position {self.start} cannot commit: layer {L - 1} has not run")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self.is_open:
+            return False
+        if exc_type is not None:
+            self.abandon()
+            return False
+        missing = self._missing()
+        if missing is not None:
+            self.abandon()
+            raise EngineError(missing + "; it was abandoned and the engine is as before it")
+        self.commit()
+        return False
+
+    def _close(self) -> None:
+        self.is_open = False
+        if self.engine._open is self:
+            self.engine._open = None
+
+
+class Token(_Open):
+    """``n`` tokens (usually one) attended layer by layer; Engine.token(n) opens one."""
+
+    def __init__(self, engine, n: int = 1):
+        super().__init__(engine, n)
+        cache = engine.cache
+        if cache.serving is not None or cache.mirror is not None:
+            raise EngineError("per-layer attention does not run the serving graph or mirror planes (the pinned Metal "
+                              "rung's copy); use step(), or graph='teacher' without mirror planes")
+        self.plans = engine._plan_tokens(n)
+        self.before = cache.states()
+        # each route's layer count, per token: a layer's split is sized as step()'s launch over them all
+        self.route_sizes = [Counter(routes) for _, _, routes, _ in self.plans]
+        self._old_arrays: dict[str, tuple] = {}
+        self._saved: dict[str, tuple] = {}
+        with interrupts.held_back():
+            try:
+                self._keep_what_it_overwrites()
+            except BaseException:
+                self._undo()
+                raise
+        self.is_open = True
+        engine._open = self
+
+    def _keep_what_it_overwrites(self) -> None:
+        cache, n = self.engine.cache, self.n
+        final = self.plans[-1][1]
+        for kind, ps in cache.planes.items():
+            st = final[kind]
+            if st.capacity != ps.state.capacity:
+                # a growing plane grows now: the rows move into a new allocation and the old one is kept whole
+                self._old_arrays[kind] = (cache.k[kind], cache.v[kind])
+                cache.ensure_capacity(kind, st.capacity)
+                continue
+            first = self.plans[0][1][kind].physical(self.start)  # the n appends take consecutive rows (mod capacity)
+            rows = min(n, st.capacity)
+            shape = (rows, len(ps.layers), self.cfg.n_kv_heads, self.cfg.head_dim)
+            saved = (halves.alloc(shape), halves.alloc(shape), first, rows, st.capacity)
+            store = cache.stores[kind]
+            store.save_rows(cache.k[kind], saved[0], len(ps.layers), first, rows, st.capacity)
+            store.save_rows(cache.v[kind], saved[1], len(ps.layers), first, rows, st.capacity)
+            self._saved[kind] = saved
+
+    def _undo(self) -> None:
+        """Back to the state before the token: allocations, rows, plane states (idempotent: it sets)."""
+        cache = self.engine.cache
+
+        def undo():
+            for kind, (k, v) in self._old_arrays.items():
+                cache.k[kind], cache.v[kind] = k, v
+            for kind, (sk, sv, first, rows, capacity) in self._saved.items():
+                n_slots = len(cache.planes[kind].layers)
+                cache.stores[kind].restore_rows(sk, cache.k[kind], n_slots, first, rows, capacity)
+                cache.stores[kind].restore_rows(sv, cache.v[kind], n_slots, first, rows, capacity)
+            cache.commit(self.before, self.start)
+
+        interrupts.atomically(undo)
+
+    # ---- the model's calls ---------------------------------------------------------------------
+    def attend(self, layer: int, q, k, v):
+        """Attend this token (these tokens) at ``layer``: q [n_heads, head_dim] (or [n, n_heads, head_dim]), k and v
+        [n_kv_heads, head_dim] (or [n, ...]), in any kind arrays.py takes; returns the output like q, float32, in
+        q's kind.  Layers attend in order 0..n_layers-1, each once."""
+        layer = self._check_layer("attend", layer)
+        launcher = self.engine.launcher
+        where = f"attend layer {layer}"
+        lead, shapes = _layer_shapes(self.cfg, self.n, q)
+        axes = {"q": ("token", "head", "d"), "k": ("token", "kv head", "d"), "v": ("token", "kv head", "d")}
+        arch = self.engine.arch
+        if all(arrays.device_resident(a, arch) for a in (q, k, v)) and self._device_ok(q):
+            q3, k3, v3 = (self._device_shape(where, name, a, shapes[name])
+                          for name, a in (("q", q), ("k", k), ("v", v)))
+            self._scan(where, q3, k3, v3, axes)
+            out3 = arrays.device_out(q3, shapes["q"])
+            for i, plan in enumerate(self.plans):
+                sl = slice(i, i + 1) if self.n > 1 else slice(None)
+                launcher.attend_layer(plan, layer, self.route_sizes[i], q3[sl], k3[sl], v3[sl], out3[sl])
+            self.next_layer += 1
+            return out3 if lead else out3.reshape(shapes["q"][1:])
+        host = {}
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            h = arrays.to_host(f"{where} {name}", a)
+            if not lead and h.ndim == 2:
+                h = h[None]
+            host[name] = _checked(where, name, h, shapes[name], axes[name])
+        out = np.empty(shapes["q"], np.float32)
+        for i, plan in enumerate(self.plans):
+            launcher.attend_layer_host(plan, layer, self.route_sizes[i], host["q"][i:i + 1], host["k"][i:i + 1],
+                                       host["v"][i:i + 1], out[i:i + 1])
+        self.next_layer += 1
+        return arrays.like_input(out if lead else out[0], q)
+
+    def _device_ok(self, q) -> bool:
+        """A Taichi ndarray can be read in place only whole ([1, heads, d]): ndarrays have no views."""
+        return arrays.framework_of(q) == "torch" or (self.n == 1 and len(tuple(q.shape)) == 3)
+
+    @staticmethod
+    def _device_shape(where, name, a, shape):
+        a = arrays.device_f32(f"{where} {name}", a)
+        if tuple(a.shape) == shape:
+            return a
+        if tuple(a.shape) == shape[1:] and shape[0] == 1 and arrays.framework_of(a) == "torch":
+            return a.reshape(shape)
+        raise EngineError(f"{where} {name}: shape {tuple(a.shape)}, expected {shape}")
+
+    def _scan(self, where, q3, k3, v3, axes) -> None:
+        """Device inputs: the token scan's flags (one device wait); where one is set, the host check on a copy
+        names the first bad value."""
+        launcher = self.engine.launcher
+        launcher.scans += 1
+        launcher.scan(q3, k3, v3, launcher.flags, launcher.scans)
+        if launcher.flagged():
+            for name, a in (("q", q3), ("k", k3), ("v", v3)):
+                _checked(where, name, arrays.to_host(f"{where} {name}", a), tuple(a.shape), axes[name])
+            raise EngineError(f"{where}: the device scan flagged the token but its host copy passes the checks")
+
+    def commit(self) -> None:
+        """Commit the token: every layer has attended.  A with-block commits at its exit."""
+        if not self.is_open:
+            raise EngineError(f"commit: this token at position {self.start} is closed (committed or abandoned)")
+        missing = self._missing()
+        if missing is not None:
+            raise EngineError(missing + "; attend the rest, or abandon() it")
+        engine = self.engine
+        engine._serial += 1
+        serial, final = engine._serial, self.plans[-1][1]
+        steps = [(list(routes), mix) for _, _, routes, mix in self.plans]
+
+        def commit():
+            engine.cache.commit(final, self.start + self.n)
+            engine._routes.record_many(steps, serial)
+
+        interrupts.atomically(commit)
+        self._close()
+
+    def abandon(self) -> None:
+        """Undo everything this token wrote: the engine is exactly as before it.  Closed tokens: nothing to do."""
+        if not self.is_open:
+            return
+        self._undo()
+        self._close()
+
+
+class Prompt(_Open):
+    """A prompt's K/V, ``n`` tokens, stored layer by layer without attention; Engine.prompt(n) opens one.  The
+    rows are kept on the host until every layer has stored, then go in as one prefill (Engine.prefill: ring
+    wrap and NoPE growth as there), so an abandoned prompt writes nothing."""
+
+    what = "prompt"
+
+    def __init__(self, engine, n: int):
+        super().__init__(engine, n)
+        engine._planned(engine.cache.plan_prefill, n)  # refused now (a NoPE plane past its cap), not at the end
+        L, KV, D = self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim
+        self._k = np.empty((n, L, KV, D), np.float32)
+        self._v = np.empty((n, L, KV, D), np.float32)
+        self.is_open = True
+        engine._open = self
+
+    def store(self, layer: int, k, v) -> None:
+        """The prompt's k and v at ``layer``: [n, n_kv_heads, head_dim] (or [n_kv_heads, head_dim] for one token)."""
+        layer = self._check_layer("store", layer)
+        where = f"prompt store layer {layer}"
+        shape = (self.n, self.cfg.n_kv_heads, self.cfg.head_dim)
+        axes = ("token", "kv head", "d")
+        rows = []
+        for name, a in (("k", k), ("v", v)):
+            h = arrays.to_host(f"{where} {name}", a)
+            if self.n == 1 and h.ndim == 2:
+                h = h[None]
+            rows.append(_checked(where, name, h, shape, axes))
+        self._k[:, layer], self._v[:, layer] = rows
+        self.next_layer += 1
+
+    def commit(self) -> None:
+        if not self.is_open:
+            raise EngineError(f"commit: this prompt at position {self.start} is closed (committed or abandoned)")
+        missing = self._missing()
+        if missing is not None:
+            raise EngineError(missing + "; store the rest, or abandon() it")
+        self._close()
+        try:
+            self.engine.prefill(self._k, self._v)
+        finally:
+            self._k = self._v = None
+
+    def abandon(self) -> None:
+        if self.is_open:
+            self._close()
+            self._k = self._v = None
+
+
+__all__ = ["Prompt", "Token"]
