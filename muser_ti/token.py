@@ -38,11 +38,11 @@ def _checked(where: str, name: str, a: np.ndarray, shape: tuple[int, ...], axes:
     bad = ~(np.abs(a) <= F16_MAX)  # NaN compares false: caught with the infinities and the out-of-range values
     if bad.any():
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        value = a[idx]
-        what = "non-finite value" if not np.isfinite(value) else (
-            "value outside the f16 range the planes hold (|x| <= 65504)" if name != "q" else
-            "value outside the f16 range q is held to (|x| <= 65504)")
-        raise EngineError(f"{where} {name}: {what} {value:.6g} at " + ", ".join(f"{ax} {i}" for ax, i in zip(axes, idx)))
+        value, at = a[idx], ", ".join(f"{ax} {i}" for ax, i in zip(axes, idx))
+        if not np.isfinite(value):
+            raise EngineError(f"{where} {name}: non-finite value {value} at {at}")
+        held = "the planes hold" if name != "q" else "q is held to"
+        raise EngineError(f"{where} {name}: value {value:.6g} at {at} is outside the f16 range {held} (|x| <= 65504)")
     return a
 
 
