@@ -20,6 +20,7 @@ from .kernels.interleaved import build_interleaved
 from .kernels.splitk import (build_splitk, cpu_split_geometry, gpu_items_cap, gpu_split_geometry,
                              gpu_target_workgroups, gpu_workgroups_per_pair)
 from .kernels.one_dispatch import ONE_DISPATCH_ARCHS, build_step_kernel
+from .kernels.reducer import build_reduce
 from .kernels.stores import (FLAG_CELLS, NEVER_STAMPED, OPEN_GATE, REFUSAL_RING, TOKEN_FLAGS, build_token_scan,
                              build_unpack)
 from .kv_cache import KVCache
@@ -47,6 +48,9 @@ class Launcher:
         caps = dict(items_cap=self.items_cap, layers_cap=L if gpu else 0)  # constant loop bounds on a GPU
         self.splitk, self.reduce_f32, self.reduce_f16 = build_splitk(D, G, KV, H, gpu, **caps)
         self.interleaved, self.reduce_v2 = build_interleaved(D, G, KV, H, gpu, **caps)
+        # one layer's merge (a per-layer token) on the CPU: the same reducers on one thread (kernels/reducer.py)
+        self.reduce_one = {} if gpu else {red: build_reduce(D, H, False, ti.f32, serial=True)
+                                          for red in (self.reduce_f32, self.reduce_v2)}
         # (class, group size) -> [n_group, H, workgroups, 2 + D] scratch: one per class, as the one-dispatch
         # step runs both producers before either reducer
         self._partials: dict[tuple[str, int], object] = {}
@@ -238,9 +242,10 @@ class Launcher:
         kind = SWA if route in (ladder.SPLITK, ladder.LLAMA_VEC_SWA) else NOPE
         st, cache = new_states[kind], self.cache
         grp = cache.token_group(layer)
+        dispatches = []
         if route == ladder.SPLITK:
-            self.launch(cache.stores[SWA].store_token, k1, v1, cache.k[SWA], cache.v[SWA], grp.layers_dev,
-                        grp.slots_dev, 1, st.physical(p))
+            dispatches.append((cache.stores[SWA].store_token, (k1, v1, cache.k[SWA], cache.v[SWA], grp.layers_dev,
+                                                               grp.slots_dev, 1, st.physical(p))))
             producer, reduce = self.splitk, self.reduce_f32
         elif route == ladder.INTERLEAVED:
             producer, reduce = self.interleaved, self.reduce_v2
@@ -249,10 +254,17 @@ class Launcher:
         _, visible = visible_span(self.cfg, kind, p)
         nwg, nsg = self.split_geometry(visible, route_sizes[route])
         partials = self.partials_for(kind, 1, nwg)
-        self.launch(producer, q1, k1, v1, cache.k[kind], cache.v[kind], partials, self._no_visits, grp.layers_dev,
-                    grp.slots_dev, 1, p, window_of(self.cfg, kind), st.capacity, st.origin_logical,
-                    st.origin_physical, nwg, nsg, self.cfg.attention_scale)
-        self.launch(reduce, partials, out1, grp.layers_dev, 1, nwg)
+        dispatches.append((producer, (q1, k1, v1, cache.k[kind], cache.v[kind], partials, self._no_visits,
+                                      grp.layers_dev, grp.slots_dev, 1, p, window_of(self.cfg, kind), st.capacity,
+                                      st.origin_logical, st.origin_physical, nwg, nsg, self.cfg.attention_scale)))
+        dispatches.append((self.reduce_one.get(reduce, reduce), (partials, out1, grp.layers_dev, 1, nwg)))
+        self.launches += len(dispatches)
+        if isinstance(q1, ti.Ndarray) and isinstance(out1, ti.Ndarray):
+            # one compiled graph a route: a Python launch costs tens of microseconds a kernel, a graph run a few
+            self.graphs.run(dispatches, external=(q1, k1, v1, out1, grp.layers_dev, grp.slots_dev))
+        else:  # torch CUDA tensors, which a graph does not bind
+            for kernel, args in dispatches:
+                kernel(*args)
 
     def attend_layer_host(self, plan, layer: int, route_sizes, q1: np.ndarray, k1: np.ndarray, v1: np.ndarray,
                           out1: np.ndarray) -> None:
@@ -271,10 +283,14 @@ class Launcher:
             self.vec.run(kind, (layer,), st, p, q_all, out_all)
             out1[0] = out_all[layer]
             return
-        if not self.gpu:
-            self.attend_layer(plan, layer, route_sizes, q1, k1, v1, out1)
-            return
         q_dev, k_dev, v_dev, out_dev = self.layer_device_arrays()
+        if not self.gpu:  # Taichi's arrays are host memory: copied in and out through views, no kernel
+            views = self._layer_views
+            for view, a in zip(views, (q1, k1, v1)):
+                np.copyto(view, a)
+            self.attend_layer(plan, layer, route_sizes, q_dev, k_dev, v_dev, out_dev)
+            np.copyto(out1, views[3])
+            return
         for dev, a in ((q_dev, q1), (k_dev, k1), (v_dev, v1)):
             self.transfer.upload(dev, a)
         self.attend_layer(plan, layer, route_sizes, q_dev, k_dev, v_dev, out_dev)
@@ -287,11 +303,14 @@ class Launcher:
         return self._layer_host
 
     def layer_device_arrays(self) -> tuple:
-        """One layer's q, k, v and out on the device ([1, ...]), made once."""
+        """One layer's q, k, v and out as Taichi arrays ([1, ...]), made once (on the CPU with host views)."""
         if self._layer_dev is None:
             g = self.cfg
-            self._layer_dev = (ti.ndarray(ti.f32, (1, g.n_heads, g.head_dim)), ti.ndarray(ti.f32, (1, g.n_kv_heads, g.head_dim)),
-                               ti.ndarray(ti.f32, (1, g.n_kv_heads, g.head_dim)), ti.ndarray(ti.f32, (1, g.n_heads, g.head_dim)))
+            shapes = [(1, g.n_heads, g.head_dim), (1, g.n_kv_heads, g.head_dim), (1, g.n_kv_heads, g.head_dim),
+                      (1, g.n_heads, g.head_dim)]
+            self._layer_dev = tuple(ti.ndarray(ti.f32, shape) for shape in shapes)
+            if not self.gpu:
+                self._layer_views = [host_view_f32(a) for a in self._layer_dev]
         return self._layer_dev
 
     # ---- the token's arrays ---------------------------------------------------------------------
@@ -348,6 +367,16 @@ class Launcher:
         """Raise for a token the scan flagged, naming its first bad value (the host check on a copy)."""
         inputs.step_token(self.cfg, *self.download_token(q, k, v))
         raise EngineError("step_device: the device scan flagged the token but its host copy passes the checks")  # a bug
+
+
+def host_view_f32(arr) -> np.ndarray:
+    """A zero-copy float32 view of a Taichi array in host memory (the CPU backend), valid while ``arr`` lives."""
+    import ctypes
+
+    addr = ti.lang.impl.get_runtime().prog.get_ndarray_data_ptr_as_int(arr.arr)
+    shape = tuple(arr.shape)
+    buf = (ctypes.c_float * int(np.prod(shape))).from_address(int(addr))
+    return np.frombuffer(buf, dtype=np.float32).reshape(shape)
 
 
 class InFlight:

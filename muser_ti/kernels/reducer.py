@@ -19,7 +19,7 @@ GPU_PARTIALS_IN_FLIGHT = 32  # U: partials a GPU reducer thread loads before it 
 GPU_MAXES_IN_FLIGHT = 64  # UM: the maxes a thread loads at once in the first pass (one value a partial)
 
 
-def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: int = 0):
+def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: int = 0, serial: bool = False):
     """The reducer kernel; layers_cap (GPU): the most layers a launch merges, which makes its loop's bound a
     constant (threads past the launch's layers do nothing), as the producers' (splitk.gpu_items_cap says
     why); 0: the bound is computed from n_group."""
@@ -86,6 +86,9 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: 
         @ti.kernel
         def reduce(partials: f32_4d, out: out_t, layers: i32_1d, n_group: ti.i32, nwg: ti.i32):
             if ti.static(not gpu):
+                # serial: one layer's merge (a per-layer token, token.py) is too small to pay for waking the
+                # CPU's worker threads; each output is computed alike either way
+                ti.loop_config(serialize=serial)
                 for item in range(n_group * H):  # one (layer, head) per item; factors computed once
                     g, h = item // H, item % H
                     gmax = global_max(partials, g, h, nwg)
@@ -112,4 +115,4 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: 
         reduce.gpu_work = gpu_work
         return reduce
 
-    return cached(("reduce", D, H, gpu, str(out_dtype), layers_cap), build)
+    return cached(("reduce", D, H, gpu, str(out_dtype), layers_cap, serial), build)

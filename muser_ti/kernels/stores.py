@@ -12,13 +12,16 @@ from types import SimpleNamespace
 import taichi as ti
 
 from ..config import F16_MAX, F32_MAX
-from .common import HEAD_MAJOR, TOKEN_MAJOR, cached, f32_3d, f32_4d, i32_1d
+from .common import HEAD_MAJOR, TOKEN_MAJOR, cached, f32_3d, f32_4d, i32_1d, on_gpu
 from .halves import HALVES_PER_WORD, pack, packed_plane
 
 
 def build_stores(head_dim: int, n_kv: int, layout: str):
     D, KV = head_dim, n_kv
     W = D // HALVES_PER_WORD  # words per plane row
+    # On the CPU a token's stores are a few thousand words: one thread does them sooner than the worker
+    # threads wake (a per-layer token makes one a layer, token.py); the prefill's and the grow copy's stay parallel
+    serial = not on_gpu()
 
     def build():
         @ti.func
@@ -35,6 +38,7 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
             layers: i32_1d, slots: i32_1d, n_group: ti.i32, row: ti.i32,
         ):
             """Write the current token (row ``row``) of every layer in the group."""
+            ti.loop_config(serialize=serial)
             for g, kvh, w in ti.ndrange(n_group, KV, W):
                 layer, slot = layers[g], slots[g]
                 put(k_plane, slot, row, kvh, w, k_cur[layer, kvh, 2 * w], k_cur[layer, kvh, 2 * w + 1])
@@ -71,12 +75,14 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
                       capacity: ti.i32):
             """Rows (first + t) % capacity, t < n_rows, of every layer of the class into saved[t, slot, kv, w]:
             what a per-layer token overwrites, kept so that an abandoned token puts them back (token.py)."""
+            ti.loop_config(serialize=serial)
             for t, slot, kvh, w in ti.ndrange(n_rows, n_slots, KV, W):
                 saved[t, slot, kvh, w] = word(plane, slot, (first + t) % capacity, kvh, w)
 
         @ti.kernel
         def restore_rows(saved: packed_plane, plane: packed_plane, n_slots: ti.i32, first: ti.i32, n_rows: ti.i32,
                          capacity: ti.i32):
+            ti.loop_config(serialize=serial)
             for t, slot, kvh, w in ti.ndrange(n_rows, n_slots, KV, W):
                 row = (first + t) % capacity
                 if ti.static(layout == TOKEN_MAJOR):
@@ -87,7 +93,7 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
         return SimpleNamespace(store_token=store_token, store_tokens=store_tokens, save_rows=save_rows,
                                restore_rows=restore_rows, copy_rows=copy_rows if layout == HEAD_MAJOR else None)
 
-    return cached(("stores", D, KV, layout), build)
+    return cached(("stores", D, KV, layout, serial), build)
 
 
 def build_unpack(n_heads: int, n_kv: int, head_dim: int):
