@@ -31,6 +31,14 @@ import taichi as ti  # noqa: E402
 
 ARCHS = ("auto", "cpu", "cuda", "vulkan", "metal")
 GPU_ARCHS = ("cuda", "vulkan", "metal")
+# What makes each backend available: every BackendError for an arch says it (a user who asked for it can act on it)
+NEEDS = {
+    "cuda": "it needs an NVIDIA GPU with NVIDIA's driver (libcuda.so)",
+    "vulkan": ("it needs a Vulkan loader and a driver: a GPU's own, or Mesa's software driver lavapipe "
+               "(on Debian or Ubuntu: apt-get install libvulkan1 mesa-vulkan-drivers)"),
+    "metal": "it needs macOS with Taichi's Metal backend (a Mac with a Metal GPU)",
+    "cpu": "Taichi's CPU backend supports x86-64 and arm64",
+}
 
 _active: str | None = None
 _generation = 0
@@ -98,7 +106,7 @@ def _cuda_available() -> bool:
 
 def resolve_arch(arch: str) -> str:
     if arch not in ARCHS:
-        raise BackendError(f"arch {arch!r} is not one of {list(ARCHS)}")
+        raise BackendError(f"arch {arch!r} is not one of {', '.join(ARCHS)}")
     if arch != "auto":
         return arch
     if platform.system() == "Darwin":
@@ -117,9 +125,11 @@ def activate(arch: str = "auto") -> str:
     if want == _active:
         return want
     if want == "metal" and platform.system() != "Darwin":
-        raise BackendError("arch 'metal' needs macOS (Taichi's Metal backend); this machine runs " + platform.system())
+        raise BackendError(f"arch 'metal' is unavailable: {NEEDS['metal']}; this machine runs {platform.system()}")
     if want == "vulkan" and not has_vulkan():
-        raise BackendError("arch 'vulkan': no Vulkan device found (install a driver, e.g. Mesa's lavapipe, and libvulkan1)")
+        raise BackendError(f"arch 'vulkan' is unavailable: no Vulkan device found; {NEEDS['vulkan']}")
+    if want == "cuda" and not _cuda_available():  # before ti.init, which would warn and start the CPU instead
+        raise BackendError(f"arch 'cuda' is unavailable: no CUDA driver found; {NEEDS['cuda']}")
     if _active is not None:
         # arrays and graphs of the old runtime that only a reference cycle still holds would be freed after
         # the reset, into memory it no longer owns (a segfault): collect them while it stands
@@ -138,7 +148,7 @@ def activate(arch: str = "auto") -> str:
     if got != {"cpu": "x64"}.get(want, want) and not (want == "cpu" and got in ("x64", "arm64")):
         ti.reset()
         _active = None
-        raise BackendError(f"arch {want!r} requested but Taichi started {got!r} (the {want} backend is unavailable here)")
+        raise BackendError(f"arch {want!r} is unavailable: Taichi started {got!r} instead; {NEEDS[want]}")
     _active = want
     _generation += 1
     return want

@@ -1,12 +1,15 @@
 """The commands as a user runs them: scripts/*.py from a checkout and the installed console entry points."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+import muser_ti as mt
 
 ROOT = Path(__file__).resolve().parent.parent
 # a small geometry the route tests compile too (tests/sessions.py's gqa4-d64), so its kernels come from the cache
@@ -43,3 +46,143 @@ def test_console_entry_points_are_installed(command):
         pytest.skip(f"{command}: the package is not installed in this environment (scripts/setup.sh installs it)")
     out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "usage:" in out.stdout, out.stderr
+
+
+# ---- what a newcomer gets when something is wrong: one `error:` line, status 2, no traceback ---------------
+def run_command(script: str, *args: str, cwd=None, env=None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / f"{script}.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def assert_one_error_line(out: subprocess.CompletedProcess, *words: str) -> str:
+    """Status 2, exactly one `error:` line on stderr (the last), no traceback anywhere; returns the line."""
+    both = out.stdout + out.stderr
+    assert "Traceback" not in both, both
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1, both
+    assert out.stderr.strip().splitlines()[-1] == errors[0]
+    for word in words:
+        assert word in errors[0], errors[0]
+    return errors[0]
+
+
+def _tiny_config(tmp_path) -> Path:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    return config
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--tokens", "0"], ["--tokens", ">= 1", "'0'"]),
+    (["--tokens", "-5"], ["--tokens", ">= 1", "'-5'"]),
+    (["--start-depth", "-1"], ["--start-depth", ">= 0"]),
+    (["--tokens", "abc"], ["--tokens", "'abc'"]),
+    (["--capacity", "100"], ["--capacity 100", "window of 2048 rows"]),  # the real window, not a chunk's rows
+    (["--start-depth", "131072"], ["max_context of 131072"]),
+    (["--config", "absent.yaml"], ["absent.yaml", "no such config file"]),
+    (["--arch", "metal"], ["macOS", "Metal"]),
+    (["--arch", "tpu"], ["--arch", "invalid choice"]),
+    (["--route", "splitk", "--pinned", "sideways"], ["--pinned"]),
+])
+def test_decode_bad_input_is_one_error_line(tmp_path, args, words):
+    assert_one_error_line(run_command("decode", *args, cwd=tmp_path), *words)
+
+
+def test_decode_without_cuda_says_what_would_make_it_available(tmp_path):
+    from muser_ti import backend
+
+    if backend._cuda_available():
+        pytest.skip("this machine has a CUDA driver: --arch cuda starts")
+    assert_one_error_line(run_command("decode", "--arch", "cuda", cwd=tmp_path), "cuda", "NVIDIA GPU", "driver")
+
+
+def test_vulkan_unavailable_names_the_packages(monkeypatch):
+    """The message for a machine without Vulkan (not this one, maybe): what to install."""
+    from muser_ti import backend
+
+    monkeypatch.setattr(backend, "has_vulkan", lambda: False)
+    monkeypatch.setattr(backend, "_active", None)
+    with pytest.raises(mt.BackendError, match="libvulkan1 mesa-vulkan-drivers"):
+        backend.activate("vulkan")
+
+
+def test_backend_error_is_exported():
+    from muser_ti import errors
+
+    assert mt.BackendError is errors.BackendError and "BackendError" in mt.__all__
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--layer-depths", "abc"], ["--layer-depths", "'abc'"]),
+    (["--step-depths", "2048,x"], ["--step-depths", "'x' in '2048,x'"]),
+    (["--config", "typo.yaml"], ["typo.yaml", "no such config file"]),
+    (["--routes", "fast"], ["--routes", "splitk, interleaved"]),
+    (["--rounds", "0"], ["--rounds", ">= 1"]),
+    (["--arch", "metal"], ["--arch", "invalid choice"]),
+])
+def test_bench_bad_input_is_one_error_line(tmp_path, args, words):
+    assert_one_error_line(run_command("bench", *args, cwd=tmp_path), *words)
+
+
+def test_commands_without_rich_say_what_to_install(tmp_path):
+    """rich and matplotlib are the [cli] extra: a command without them says how to get them, in one line."""
+    code = ("import sys; sys.modules['rich'] = None; from muser_ti.cli.decode import main; "
+            f"sys.exit(main(['--config', {str(_tiny_config(tmp_path))!r}, '--arch', 'cpu', '--tokens', '1', "
+            "'--start-depth', '1']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert_one_error_line(out, "rich", "pip install 'muser-ti[cli]'")
+
+
+def test_decode_interrupted_prints_one_line_after_the_token(tmp_path):
+    """Ctrl-C mid-decode: one `interrupted after N of M decoded tokens` line, status 130, no traceback."""
+    import signal
+    import time
+
+    geometry = dict(TINY, max_context=200_000)
+    config = tmp_path / "long.yaml"
+    config.write_text(yaml.safe_dump(geometry))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "decode.py"), "--config", str(config), "--arch", "cpu",
+                             "--pinned", "off", "--start-depth", "70", "--tokens", "100000", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        seen = ""
+        deadline = time.monotonic() + 240
+        while "Starting on arch" not in seen and proc.poll() is None and time.monotonic() < deadline:
+            seen += proc.stderr.readline()  # the engine is being built
+        time.sleep(3.0)  # into the decode (or the first token's compile, which the interrupt waits for)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    stderr = seen + stderr
+    assert "Traceback" not in stderr + stdout, stderr
+    assert proc.returncode == 130, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("interrupted after ") and "of 100000 decoded tokens" in last, last
+    assert stdout == ""  # --json: no summary for a session cut short
+
+
+# ---- what the decode prints ---------------------------------------------------------------------------------
+def test_ring_wrap_is_placed_by_the_geometry():
+    from muser_ti.cli.decode import ring_wrap
+
+    # Glimmer's 2,048-row ring: prefilled 30,000 deep, it first wrapped at 2,048, in the prefill
+    assert ring_wrap(2048, 30000, 24) == {"wrapped_at_position": 2048, "wrapped_during": "prefill"}
+    # the default session: 2,040 prefilled, the 9th decoded token (position 2,048) wraps it
+    assert ring_wrap(2048, 2040, 24) == {"wrapped_at_position": 2048, "wrapped_during": "decode", "wrapped_at_token": 9}
+    assert ring_wrap(2048, 2048, 1) == {"wrapped_at_position": 2048, "wrapped_during": "decode", "wrapped_at_token": 1}
+    assert ring_wrap(2048, 2047, 1) == {"wrapped_at_position": None, "wrapped_during": None}
+
+
+def test_summary_says_where_the_ring_wrapped(capsys):
+    from muser_ti.cli.decode import print_summary, ring_wrap
+
+    ring = {"len": 2048, "capacity": 2048, "origin_logical": 28000, "origin_physical": 1376}
+    summary = {"model": "muse-glimmer", "config": "glimmer.yaml", "arch": "cpu", "graph": "teacher",
+               "pinned_loaded": False, "pinned": "off", "tokens": 24, "routes_per_class": {"swa": {"splitk": 24}},
+               "swa_ring": ring | ring_wrap(2048, 30000, 24), "tokens_per_s": 1.0, "median_step_s": 1.0,
+               "first_step_s": 1.0, "launches_per_token": 5, "kv_bytes_per_token": 1, "kv_gb_per_s": 1.0}
+    print_summary(summary)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "first wrapped at position 2048, during the prefill" in text
+    assert "glimmer.yaml" in text and "/" not in text.split("glimmer.yaml")[0].split("(")[-1]

@@ -1,13 +1,122 @@
 """The commands: muser-decode (decode.py), muser-sweep (sweep.py), muser-bench (bench.py).
 
 Each is also ``python scripts/NAME.py`` from a checkout, and ``python -m muser_ti.cli.NAME``.
+
+What a user of any command sees when something is wrong is one line on standard error, ``error: ...``,
+and exit status 2: a bad option value (argparse's own errors included), a missing file, a backend this
+machine does not have (with what would make it available), a config, route or pinned-library refusal.
+Ctrl-C prints one line, ``interrupted ...`` (how far the command got), and exits 130, the shell's status for
+a process ended by SIGINT (128 + 2): a script running the command tells an interruption from bad input.
+A traceback is left only for what is none of these, a bug.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import functools
+import importlib
 import os
 import sys
+
+from ..errors import BackendError, ConfigError, EngineError, PinnedUnavailable, PlaneError, RouteError
+
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that SIGINT ended
+
+
+class CommandError(Exception):
+    """A command's own refusal (an option value, a missing optional package): one ``error:`` line, exit 2."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C, caught by a command where it knows how far it got: its message is the one line printed."""
+
+
+# the project's errors at its public surface (muser_ti/errors.py; SnapshotError is an EngineError), and the
+# file errors a path given on the command line can raise
+PROJECT_ERRORS = (ConfigError, EngineError, BackendError, PinnedUnavailable, RouteError, PlaneError, CommandError)
+FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line a command prints for ``exc``: ``error: `` and the message, its line breaks folded."""
+    if isinstance(exc, FILE_ERRORS) and exc.filename is not None:
+        text = f"{exc.filename}: {exc.strerror or exc}"
+    else:
+        text = str(exc) or type(exc).__name__
+    return "error: " + " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def guarded(*more_errors: type[BaseException]):
+    """Decorate a command's ``main(argv) -> int``: the project's errors (and ``more_errors``) become one
+    ``error:`` line on standard error and status 2; Ctrl-C one ``interrupted`` line and status 130."""
+
+    def wrap(main):
+        @functools.wraps(main)
+        def guarded_main(argv=None) -> int:
+            try:
+                return main(argv)
+            except Interrupted as exc:
+                print(str(exc), file=sys.stderr)
+                return EXIT_INTERRUPTED
+            except KeyboardInterrupt:
+                print("interrupted", file=sys.stderr)
+                return EXIT_INTERRUPTED
+            except PROJECT_ERRORS + FILE_ERRORS + tuple(more_errors) as exc:
+                print(error_line(exc), file=sys.stderr)
+                return EXIT_ERROR
+
+        return guarded_main
+
+    return wrap
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors read as the commands' own: one ``error: ...`` line, status 2 (argparse
+    prints its usage block, then ``PROG: error: ...``)."""
+
+    def error(self, message):
+        self.exit(EXIT_ERROR, f"error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def positive_int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 1 (``2048,32768``)."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return [_int_at_least(x, 1, whole=text) for x in items]
+
+
+def _int_at_least(text: str, low: int, whole: str | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        what = f"{text!r} in {whole!r}" if whole not in (None, text) else repr(text)
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {what}")
+    return value
+
+
+def need(module: str, command: str, what: str):
+    """Import ``module``, one of the commands' optional dependencies (the ``cli`` extra), or refuse with how
+    to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise CommandError(f"{command} needs {module} ({what}), which is not installed: "
+                           f"pip install 'muser-ti[cli]'") from None
 
 
 @contextlib.contextmanager

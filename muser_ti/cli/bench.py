@@ -20,18 +20,31 @@ import numpy as np
 
 import muser_ti as mt
 
-from .bench_common import int_list
+from . import ArgumentParser, Interrupted, guarded, need, positive_int, positive_int_list
+from .bench_common import ROUTE_KIND
 
 
+def route_list(text: str) -> list[str]:
+    """An argparse type: comma-separated routes a layer bench times (its own routes, one per layer class)."""
+    routes = [r.strip() for r in text.split(",") if r.strip()]
+    bad = [r for r in routes if r not in ROUTE_KIND]
+    if not routes or bad:
+        raise argparse.ArgumentTypeError(f"expected routes among {', '.join(ROUTE_KIND)}, got {text!r}")
+    return routes
+
+
+@guarded()
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="glimmer.yaml")
-    ap.add_argument("--arch", default="cpu")
-    ap.add_argument("--layer-depths", default="2048,32768,131072")
-    ap.add_argument("--step-depths", default="2048,32768")
-    ap.add_argument("--routes", default="splitk,interleaved")
-    ap.add_argument("--repeats", type=int, default=7, help="timed calls per process (after two untimed ones)")
-    ap.add_argument("--rounds", type=int, default=3, help="CPU: processes per (case, side), the sides in turns")
+    ap = ArgumentParser(prog="muser-bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="glimmer.yaml", help="geometry YAML (a bare name resolves to configs/)")
+    ap.add_argument("--arch", default="cpu", choices=["cpu", "cuda", "vulkan"])
+    ap.add_argument("--layer-depths", type=positive_int_list, default="2048,32768,131072",
+                    help="keys a layer attends, comma-separated")
+    ap.add_argument("--step-depths", type=positive_int_list, default="2048,32768",
+                    help="keys a whole step attends, comma-separated")
+    ap.add_argument("--routes", type=route_list, default="splitk,interleaved", help="routes the layer cases time")
+    ap.add_argument("--repeats", type=positive_int, default=7, help="timed calls per process (after two untimed ones)")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="CPU: processes per (case, side), the sides in turns")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the rows and the machine description here")
     ap.add_argument("--mode", default="layers", choices=["layers", "steps"],
@@ -39,17 +52,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     base = mt.load_config(args.config)
-    if args.arch in ("cuda", "vulkan"):
-        from .bench_gpu import gpu_main
+    need("rich", "muser-bench", "its tables")
+    try:
+        if args.arch in ("cuda", "vulkan"):
+            from .bench_gpu import gpu_main
 
-        return gpu_main(args, base, np.random.default_rng(args.seed), argv)
-    if args.arch != "cpu":
-        raise SystemExit(f"muser-bench: --arch {args.arch} is not benchmarked here (cpu, cuda, vulkan)")
-    from .bench_cpu import cpu_main
+            return gpu_main(args, base, np.random.default_rng(args.seed), argv)
+        from .bench_cpu import cpu_main
 
-    args.layer_depths, args.step_depths = int_list(args.layer_depths), int_list(args.step_depths)
-    args.routes = [r for r in args.routes.split(",") if r]
-    return cpu_main(args, base, argv)
+        return cpu_main(args, base, argv)
+    except KeyboardInterrupt:
+        raise Interrupted("interrupted; the rows measured so far are printed above, one JSON line each "
+                          "(--json writes its file only at the end)") from None
 
 
 if __name__ == "__main__":

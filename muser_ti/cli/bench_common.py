@@ -130,7 +130,3 @@ def report(rows: list[dict], info: dict, args, argv, title: str) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(info, indent=2))
     return 0
-
-
-def int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]

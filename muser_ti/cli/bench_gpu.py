@@ -16,7 +16,7 @@ from muser_ti import reference
 from muser_ti.bench.timing import (GRAPH_REPLAYS, copy_bandwidth_gb_s, cupti_busy, graph_repeat_us, machine,
                                    recorded_dispatches)
 
-from .bench_common import (ROUTE_KIND, device_token, finish, int_list, layer_geometry, prefill, random_token, report,
+from .bench_common import (ROUTE_KIND, device_token, finish, layer_geometry, prefill, random_token, report,
                            timed_device_step, timed_step)
 
 def gpu_layer(base, route, depth, arch, rng, repeats, torch, copy_gb_s: float) -> dict:
@@ -230,12 +230,12 @@ def gpu_main(args, base, rng, argv) -> int:
         print(f"device copy bandwidth: {copy_gb_s:.0f} GB/s", flush=True)
     rows = []
     if args.mode == "layers":
-        for depth in int_list(args.layer_depths):
-            for route in [r for r in args.routes.split(",") if r]:
+        for depth in args.layer_depths:
+            for route in args.routes:
                 rows.append(gpu_layer(base, route, depth, args.arch, rng, args.repeats, torch, copy_gb_s))
                 print(json.dumps(rows[-1]), flush=True)
     else:
-        for depth in int_list(args.step_depths):
+        for depth in args.step_depths:
             rows.append(gpu_step(base, depth, args.arch, rng, args.repeats, torch, copy_gb_s))
             print(json.dumps(rows[-1]), flush=True)
     info = {"machine": machine(), "arch": args.arch, "mode": args.mode, "copy_gb_s": copy_gb_s}

@@ -10,7 +10,6 @@ fill and wrap mid-run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -21,21 +20,24 @@ import numpy as np
 
 import muser_ti as mt
 from muser_ti import ladder
-from muser_ti.bench import fma_peak
 from muser_ti.bandwidth import attention_flop
-from muser_ti.cli import stdout_for_data
+from muser_ti.bench import fma_peak
+from muser_ti.cli import (ArgumentParser, CommandError, Interrupted, guarded, need, nonnegative_int, positive_int,
+                          stdout_for_data)
+from muser_ti.interrupts import held_back
 from muser_ti.reference import relative_error
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="muser-decode", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="glimmer.yaml", help="geometry YAML (a bare name resolves to configs/)")
-    ap.add_argument("--tokens", type=int, default=24, help="tokens to decode (default 24)")
-    ap.add_argument("--start-depth", type=int, default=2040, help="tokens to prefill before decoding (default 2040)")
+    ap.add_argument("--tokens", type=positive_int, default=24, help="tokens to decode, >= 1 (default 24)")
+    ap.add_argument("--start-depth", type=nonnegative_int, default=2040,
+                    help="tokens to prefill before decoding, >= 0 (default 2040)")
     ap.add_argument("--arch", default="auto", choices=["auto", "cpu", "cuda", "vulkan", "metal"])
     ap.add_argument("--pinned", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--route", default=None, choices=list(ladder.ROUTES), help="force a route on the layers of its class")
-    ap.add_argument("--capacity", type=int, default=None, help="per-session plane capacity override")
+    ap.add_argument("--capacity", type=positive_int, default=None, help="per-session plane capacity override")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", action="store_true", help="compare every step with the float64 reference")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON only")
@@ -48,12 +50,37 @@ def synthetic(rng, shape):
     return rng.standard_normal(shape, dtype=np.float32)
 
 
+def check_session(cfg: mt.Geometry, args) -> None:
+    """Refuse, before anything runs, a session its geometry or --capacity cannot hold, naming the real limit
+    (the planes' own check fires mid-prefill, at the chunk that first passes it)."""
+    end = args.start_depth + args.tokens  # the position after the last decoded token
+    if end > cfg.max_context:
+        raise CommandError(f"--start-depth + --tokens = {end} passes {cfg.name}'s max_context of {cfg.max_context}")
+    if args.capacity is None:
+        return
+    if cfg.swa_layers and args.capacity < min(end, cfg.window):
+        raise CommandError(f"--capacity {args.capacity}: an SWA ring must hold its window of {cfg.window} rows "
+                           f"({cfg.name}), and this session reaches {min(end, cfg.window)} visible rows; give "
+                           f"--capacity >= {min(end, cfg.window)}, or leave it out")
+    if cfg.nope_layers and args.capacity < end:
+        raise CommandError(f"--capacity {args.capacity}: a NoPE plane never drops a token, and this session "
+                           f"holds {end}; give --capacity >= {end}, or leave it out")
+
+
+def ring_wrap(capacity: int, start_depth: int, tokens: int) -> dict:
+    """Where a ring of ``capacity`` rows first wrapped: the position whose row first overwrote an older one
+    (the ring fills positions 0 .. capacity-1, so that is position ``capacity``), and in which phase."""
+    if start_depth + tokens <= capacity:
+        return {"wrapped_at_position": None, "wrapped_during": None}
+    if capacity < start_depth:
+        return {"wrapped_at_position": capacity, "wrapped_during": "prefill"}
+    return {"wrapped_at_position": capacity, "wrapped_during": "decode", "wrapped_at_token": capacity - start_depth + 1}
+
+
 def run(args) -> dict:
     cfg = mt.load_config(args.config)
-    if args.start_depth < 0 or args.tokens < 1:
-        raise SystemExit("--start-depth must be >= 0 and --tokens >= 1")
-    if args.start_depth + args.tokens > cfg.max_context:
-        raise SystemExit(f"--start-depth + --tokens = {args.start_depth + args.tokens} passes max_context={cfg.max_context}")
+    check_session(cfg, args)
+    need("rich", "muser-decode", "its progress bars and tables")
     eng = mt.Engine(cfg, arch=args.arch, pinned=args.pinned, force=args.route, capacity=args.capacity)
     rng = np.random.default_rng(args.seed)
     L, H, KV, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -63,36 +90,40 @@ def run(args) -> dict:
     quiet = args.json
     step_seconds, kv_bytes, errors = [], [], []
     per_class = {"swa": Counter(), "nope": Counter()}
-    wrapped_at = None
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  disable=quiet, transient=False) as progress:
-        chunk = 256
-        task = progress.add_task("prefill", total=args.start_depth)
-        done = 0
-        while done < args.start_depth:  # prefill in chunks: bounded host memory at any depth
-            n = min(chunk, args.start_depth - done)
-            eng.prefill(synthetic(rng, (n, L, KV, D)), synthetic(rng, (n, L, KV, D)))
-            done += n
-            progress.update(task, advance=n)
-        task = progress.add_task("decode" + (" + check" if args.check else ""), total=args.tokens)
-        for _ in range(args.tokens):
-            q, k, v = synthetic(rng, (L, H, D)), synthetic(rng, (L, KV, D)), synthetic(rng, (L, KV, D))
-            t0 = time.perf_counter()
-            out = eng.step(q, k, v)
-            step_seconds.append(time.perf_counter() - t0)
-            kv_bytes.append(eng.kv_bytes_last_step())
-            for layer, route in enumerate(eng.routes):
-                per_class[cfg.layer_kinds[layer]][route] += 1
-            swa = eng.planes.get("swa")
-            if wrapped_at is None and swa is not None and swa.state.origin_physical != 0:
-                wrapped_at = eng.position - 1
-            if args.check:
-                errors.append(relative_error(out, eng.reference(q, k, v)))
-            progress.update(task, advance=1)
+    done = 0
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      disable=quiet, transient=False) as progress:
+            chunk = 256
+            task = progress.add_task("prefill", total=args.start_depth)
+            while done < args.start_depth:  # prefill in chunks: bounded host memory at any depth
+                n = min(chunk, args.start_depth - done)
+                with held_back():  # Ctrl-C lands after the chunk
+                    eng.prefill(synthetic(rng, (n, L, KV, D)), synthetic(rng, (n, L, KV, D)))
+                    done += n
+                progress.update(task, advance=n)
+            task = progress.add_task("decode" + (" + check" if args.check else ""), total=args.tokens)
+            for _ in range(args.tokens):
+                q, k, v = synthetic(rng, (L, H, D)), synthetic(rng, (L, KV, D)), synthetic(rng, (L, KV, D))
+                with held_back():  # Ctrl-C lands after the token
+                    t0 = time.perf_counter()
+                    out = eng.step(q, k, v)
+                    step_seconds.append(time.perf_counter() - t0)
+                kv_bytes.append(eng.kv_bytes_last_step())
+                for layer, route in enumerate(eng.routes):
+                    per_class[cfg.layer_kinds[layer]][route] += 1
+                if args.check:
+                    errors.append(relative_error(out, eng.reference(q, k, v)))
+                progress.update(task, advance=1)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted after {len(step_seconds)} of {args.tokens} decoded tokens "
+                          f"({done} of {args.start_depth} prefilled; the engine stopped at position {eng.position}, "
+                          f"its last token whole)") from None
 
     # the first step includes kernel compilation (or loading it from Taichi's cache): report it apart
     steady = step_seconds[1:] or step_seconds
     median = statistics.median(steady)
+    swa = eng.planes.get("swa")
     summary = {
         "config": cfg.source,
         "model": cfg.name,
@@ -103,7 +134,7 @@ def run(args) -> dict:
         "start_depth": args.start_depth,
         "tokens": args.tokens,
         "final_position": eng.position,
-        "swa_ring": None if "swa" not in eng.planes else vars(eng.planes["swa"].state) | {"wrapped_at_position": wrapped_at},
+        "swa_ring": None if swa is None else vars(swa.state) | ring_wrap(swa.state.capacity, args.start_depth, args.tokens),
         "routes_per_class": {kind: dict(c) for kind, c in per_class.items() if c},
         "launches_per_token": eng.launches_last_step,
         "first_step_s": step_seconds[0],
@@ -136,8 +167,13 @@ def print_summary(s: dict) -> None:
     con.print(f"pinned llama library: {'loaded: ' if s['pinned_loaded'] else 'not loaded: '}{s['pinned']}")
     if s["swa_ring"]:
         r = s["swa_ring"]
-        wrap = f"wrapped at position {r['wrapped_at_position']}" if r["wrapped_at_position"] is not None else (
-            "wrapped before decoding" if r["origin_physical"] else "not wrapped")
+        if r["wrapped_during"] == "prefill":
+            wrap = f"first wrapped at position {r['wrapped_at_position']}, during the prefill"
+        elif r["wrapped_during"] == "decode":
+            wrap = (f"wrapped at position {r['wrapped_at_position']}, at decoded token {r['wrapped_at_token']} "
+                    f"of {s['tokens']}")
+        else:
+            wrap = "not wrapped"
         con.print(f"SWA ring: len {r['len']} / capacity {r['capacity']}, origin (logical {r['origin_logical']}, "
                   f"physical {r['origin_physical']}), {wrap}")
     t = Table(title=f"routes taken over {s['tokens']} tokens (layer-steps)")
@@ -160,25 +196,18 @@ def print_summary(s: dict) -> None:
                   f"({'within' if ok else 'OVER'} the bound {s['rel_error_bound']:.0e})")
 
 
+@guarded()
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.explain:  # pure arithmetic on the geometry: no engine, no backend
         from muser_ti.bandwidth import explain
         from muser_ti.kernels.producer import describe_plans
 
-        try:
-            cfg = mt.load_config(args.config)
-            print("\n".join(explain(cfg) + [""] + describe_plans(cfg.heads_per_kv, cfg.head_dim)))
-        except mt.ConfigError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        cfg = mt.load_config(args.config)
+        print("\n".join(explain(cfg) + [""] + describe_plans(cfg.heads_per_kv, cfg.head_dim)))
         return 0
     with stdout_for_data(args.json) as out:  # --json: only the JSON reaches stdout (Taichi logs to stderr)
-        try:
-            summary = run(args)
-        except (mt.ConfigError, mt.EngineError, mt.RouteError, mt.PinnedUnavailable) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        summary = run(args)
         if args.json:
             print(json.dumps(summary, indent=2), file=out)
         else:
