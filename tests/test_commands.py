@@ -162,6 +162,19 @@ def test_decode_interrupted_prints_one_line_after_the_token(tmp_path):
     assert stdout == ""  # --json: no summary for a session cut short
 
 
+def test_decode_says_when_it_compiles(tmp_path):
+    """A cold kernel cache (a fresh Taichi cache folder) gets the "compiling kernels" line; the next run not."""
+    config = _tiny_config(tmp_path)
+    env = dict(os.environ, TI_OFFLINE_CACHE_FILE_PATH=str(tmp_path / "ticache"))
+    args = ["--config", str(config), "--arch", "cpu", "--pinned", "off", "--start-depth", "70", "--tokens", "2", "--json"]
+    cold = run_command("decode", *args, cwd=tmp_path, env=env)
+    assert cold.returncode == 0, cold.stderr
+    assert "compiling kernels (first run only" in cold.stderr
+    warm = run_command("decode", *args, cwd=tmp_path, env=env)
+    assert warm.returncode == 0, warm.stderr
+    assert "compiling kernels" not in warm.stderr
+
+
 # ---- what the decode prints ---------------------------------------------------------------------------------
 def test_ring_wrap_is_placed_by_the_geometry():
     from muser_ti.cli.decode import ring_wrap
@@ -186,3 +199,13 @@ def test_summary_says_where_the_ring_wrapped(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "first wrapped at position 2048, during the prefill" in text
     assert "glimmer.yaml" in text and "/" not in text.split("glimmer.yaml")[0].split("(")[-1]
+
+
+def test_config_and_paths_are_shown_as_a_user_names_them(tmp_path, monkeypatch):
+    from muser_ti.cli.decode import config_shown, paths_shown
+    from muser_ti.config import CONFIG_DIR
+
+    monkeypatch.chdir(tmp_path)
+    assert config_shown(str(CONFIG_DIR / "glimmer.yaml")) == "glimmer.yaml"
+    assert config_shown(str(tmp_path / "sub" / "x.yaml")) == "sub/x.yaml"
+    assert paths_shown(f"at {tmp_path}/.venv/lib/libggml.so is there") == "at .venv/lib/libggml.so is there"

@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 
@@ -22,8 +23,9 @@ import muser_ti as mt
 from muser_ti import ladder
 from muser_ti.bandwidth import attention_flop
 from muser_ti.bench import fma_peak
-from muser_ti.cli import (ArgumentParser, CommandError, Interrupted, guarded, need, nonnegative_int, positive_int,
-                          stdout_for_data)
+from muser_ti.cli import (ArgumentParser, CommandError, Interrupted, guarded, kernel_cache, need, nonnegative_int,
+                          positive_int, stdout_for_data)
+from muser_ti.config import CONFIG_DIR
 from muser_ti.interrupts import held_back
 from muser_ti.reference import relative_error
 
@@ -77,6 +79,24 @@ def ring_wrap(capacity: int, start_depth: int, tokens: int) -> dict:
     return {"wrapped_at_position": capacity, "wrapped_during": "decode", "wrapped_at_token": capacity - start_depth + 1}
 
 
+def config_shown(source: str) -> str:
+    """The config as a user named it: a bare name for the shipped configs, else relative to here if inside."""
+    path = Path(source).resolve()
+    for base in (CONFIG_DIR.resolve(), Path.cwd().resolve()):
+        if base != Path("/") and path.is_relative_to(base):
+            return path.relative_to(base).as_posix()
+    return source
+
+
+def paths_shown(text: str) -> str:
+    """``text`` with the paths under this folder made relative and the rest of the home folder as ``~``: the
+    output names files as the user sees them from here, not one machine's layout."""
+    for base, shown in ((Path.cwd().resolve(), ""), (Path.home().resolve(), "~/")):
+        if str(base) != "/":
+            text = text.replace(str(base) + "/", shown)
+    return text
+
+
 def run(args) -> dict:
     cfg = mt.load_config(args.config)
     check_session(cfg, args)
@@ -88,6 +108,11 @@ def run(args) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     quiet = args.json
+    cache_key = kernel_cache.session_key(cfg, eng.arch, pinned=args.pinned, route=args.route, capacity=args.capacity,
+                                         graph=eng.graph)
+    if kernel_cache.is_cold(cache_key):  # before the prefill: its store kernels are the first to compile
+        print(f"compiling kernels (first run only, ~40 s for Glimmer on 2 CPU cores; Taichi keeps them in "
+              f"{kernel_cache.shown_folder()})", file=sys.stderr, flush=True)
     step_seconds, kv_bytes, errors = [], [], []
     per_class = {"swa": Counter(), "nope": Counter()}
     done = 0
@@ -109,6 +134,8 @@ def run(args) -> dict:
                     t0 = time.perf_counter()
                     out = eng.step(q, k, v)
                     step_seconds.append(time.perf_counter() - t0)
+                if len(step_seconds) == 1:
+                    kernel_cache.mark_warm(cache_key)
                 kv_bytes.append(eng.kv_bytes_last_step())
                 for layer, route in enumerate(eng.routes):
                     per_class[cfg.layer_kinds[layer]][route] += 1
@@ -125,11 +152,11 @@ def run(args) -> dict:
     median = statistics.median(steady)
     swa = eng.planes.get("swa")
     summary = {
-        "config": cfg.source,
+        "config": config_shown(cfg.source),
         "model": cfg.name,
         "arch": eng.arch,
         "pinned_loaded": eng.pinned_loaded,
-        "pinned": eng.pinned_description,
+        "pinned": paths_shown(eng.pinned_description),
         "graph": eng.graph,
         "start_depth": args.start_depth,
         "tokens": args.tokens,
