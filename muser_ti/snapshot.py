@@ -88,23 +88,31 @@ def save(path: str | os.PathLike, geometry: Geometry, tensors: dict[str, np.ndar
     if path.exists() and not path.is_file():  # a device node, a FIFO, a folder: never replaced by a rename
         raise SnapshotError(f"snapshot {path}: exists and is not a regular file; refusing to write over it")
     directory = path.parent if str(path.parent) else Path(".")
+    if not directory.is_dir():  # named here: the first write would be the hidden temporary file's
+        what = "is not a folder" if directory.exists() else "does not exist (save does not create folders)"
+        raise SnapshotError(f"snapshot {path}: the folder {directory} {what}")
     for stray in directory.glob(f".{glob.escape(path.name)}.*.tmp"):  # an interrupted save's leftovers
         if stray.is_file() and not stray.is_symlink():
             stray.unlink(missing_ok=True)
     meta_json = json.dumps(file_meta(geometry, session), sort_keys=True)
     header = {_META_KEY: meta_json, _SUM_KEY: _checksum(meta_json, tensors)}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise SnapshotError(f"snapshot {path}: cannot write in the folder {directory}: {exc.strerror}") from None
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=header)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):  # a full disk, a lost folder: named by the snapshot, not the temporary file
+            raise SnapshotError(f"snapshot {path}: writing failed: {exc.strerror or exc}") from exc
         raise
     try:  # make the rename itself durable
         dfd = os.open(directory, os.O_RDONLY)

@@ -199,6 +199,20 @@ def test_a_crash_mid_save_leaves_the_old_file(arch, tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["s.safetensors"], "the temporary file was not cleaned up"
 
 
+def test_save_into_a_missing_folder_names_the_folder(arch, tmp_path):
+    """Not a bare FileNotFoundError naming the hidden temporary file: a SnapshotError naming the folder."""
+    eng = mt.Engine(geometry(**D64), arch=arch, pinned="off")
+    Session(eng, seed=1).prefill(3)
+    missing = tmp_path / "no-such-folder"
+    with pytest.raises(SnapshotError, match=f"the folder {missing} does not exist") as caught:
+        eng.save(missing / "s.safetensors")
+    assert ".tmp" not in str(caught.value)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SnapshotError, match="is not a folder"):
+        eng.save(tmp_path / "a-file" / "s.safetensors")
+    assert sorted(os.listdir(tmp_path)) == ["a-file"]
+
+
 def test_no_prefix_of_a_snapshot_loads(arch, tmp_path):
     """What a crash could leave at the temporary name (any prefix of the file) never loads."""
     cfg = geometry(window=16, slack=4, **D64)
