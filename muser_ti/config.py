@@ -19,7 +19,10 @@ import yaml
 
 from .errors import ConfigError, shown
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# The shipped configs: the wheel carries them as package data in muser_ti/configs/; in a checkout that is a
+# link to the top-level configs/ (a checkout without links falls back to the folder itself)
+_PACKAGED = Path(__file__).resolve().parent / "configs"
+CONFIG_DIR = (_PACKAGED if _PACKAGED.is_dir() else _PACKAGED.parent.parent / "configs").resolve()
 
 SWA = "swa"
 NOPE = "nope"

@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
-# Set up muser-ti in ./.venv (idempotent).  With --test: the test extras too, and, where this runs as
-# root with apt, Mesa's software Vulkan driver (lavapipe) and the Vulkan loader for the Vulkan tests.
+# Set up muser-ti in ./.venv (idempotent): the package, editable, with the commands' extra ([cli]: rich, matplotlib).
+# With --test: the test extras too, and, where this runs as root with apt, Mesa's software Vulkan driver (lavapipe)
+# and the Vulkan loader for the Vulkan tests: system-wide, so it says what apt will install or upgrade first;
+# --no-apt leaves the system alone (the Vulkan tests then skip where no Vulkan driver is installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want_test=0
-[ "${1:-}" = "--test" ] && want_test=1
+want_apt=1
+for arg in "$@"; do
+  case "$arg" in
+    --test) want_test=1 ;;
+    --no-apt) want_apt=0 ;;
+    *) echo "usage: bash scripts/setup.sh [--test] [--no-apt]" >&2; exit 2 ;;
+  esac
+done
 
-if [ "$want_test" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  if ! dpkg -s mesa-vulkan-drivers libvulkan1 >/dev/null 2>&1; then
+vulkan_packages="mesa-vulkan-drivers libvulkan1"
+if [ "$want_test" = 1 ] && [ "$want_apt" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  # shellcheck disable=SC2086
+  if ! dpkg -s $vulkan_packages >/dev/null 2>&1; then
+    echo "setup: installing system-wide with apt-get, for the Vulkan tests: $vulkan_packages" \
+         "(Mesa's software Vulkan driver lavapipe, the Vulkan loader); --no-apt skips this" >&2
     apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q mesa-vulkan-drivers libvulkan1
+    echo "setup: apt will install or upgrade:" >&2
+    # shellcheck disable=SC2086
+    apt-get install -s -q $vulkan_packages | sed -n 's/^Inst /  /p' >&2
+    # shellcheck disable=SC2086
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q $vulkan_packages
   fi
 elif [ "$want_test" = 1 ]; then
-  echo "note: not root with apt; install mesa-vulkan-drivers and libvulkan1 yourself or the Vulkan tests skip" >&2
+  echo "note: apt not used (not root, no apt-get, or --no-apt); install $vulkan_packages yourself or the Vulkan tests skip" >&2
 fi
 
 # The llama rung's ggml (ggml-python builds it from source) is built for the x86-64 AVX2 baseline, not for the
@@ -25,9 +42,9 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 if [ "$want_test" = 1 ]; then
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q -e ".[test,cli]"
 else
-  .venv/bin/python -m pip install -q -e .
+  .venv/bin/python -m pip install -q -e ".[cli]"
 fi
 # a ggml built natively before (pip's wheel cache keeps one) is rebuilt for the baseline
 if .venv/bin/python -c "import ggml, sys; sys.exit(not ggml.ggml_cpu_has_avx512())" 2>/dev/null; then
