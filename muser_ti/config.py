@@ -23,6 +23,7 @@ from .errors import ConfigError, shown
 # link to the top-level configs/ (a checkout without links falls back to the folder itself)
 _PACKAGED = Path(__file__).resolve().parent / "configs"
 CONFIG_DIR = (_PACKAGED if _PACKAGED.is_dir() else _PACKAGED.parent.parent / "configs").resolve()
+SWEEP_DIR = CONFIG_DIR / "sweeps"  # where muser-sweep resolves a bare sweep file name
 
 SWA = "swa"
 NOPE = "nope"

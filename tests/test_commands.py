@@ -124,6 +124,25 @@ def test_bench_bad_input_is_one_error_line(tmp_path, args, words):
     assert_one_error_line(run_command("bench", *args, cwd=tmp_path), *words)
 
 
+def test_sweep_bad_input_is_one_error_line(tmp_path):
+    assert_one_error_line(run_command("sweep", "--config", "typo.yaml", cwd=tmp_path), "typo.yaml", "configs/sweeps")
+    assert_one_error_line(run_command("sweep", cwd=tmp_path), "--config")
+
+
+def test_sweep_on_a_missing_backend_fails_before_writing(tmp_path):
+    """A sweep over arch: [metal] on Linux: one error line saying what Metal needs, and no CSV begun."""
+    if sys.platform == "darwin":
+        pytest.skip("macOS has Metal")
+    sweep_file = tmp_path / "metal.yaml"
+    sweep_file.write_text(yaml.safe_dump({"name": "metal-try", "base": "glimmer.yaml",
+                                          "fixed": {k: TINY[k] for k in ("n_heads", "n_kv_heads", "head_dim", "n_layers",
+                                                                         "window", "max_context")},
+                                          "axes": {"arch": ["metal"], "depth": [4]}}))
+    out = run_command("sweep", "--config", str(sweep_file), "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert_one_error_line(out, "metal", "macOS")
+    assert not (tmp_path / "o").exists()
+
+
 def test_commands_without_rich_say_what_to_install(tmp_path):
     """rich and matplotlib are the [cli] extra: a command without them says how to get them, in one line."""
     code = ("import sys; sys.modules['rich'] = None; from muser_ti.cli.decode import main; "

@@ -19,7 +19,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 def test_the_wheel_ships_the_configs_and_runs_outside_the_checkout(tmp_path):
     """Build the wheel (no network: no build isolation, no dependencies), install it into a scratch venv that
     sees this environment's packages (taichi, numpy, ...) but not the checkout, and from a folder outside the
-    checkout run muser-decode --help, load_config("glimmer.yaml") and a shipped sweep file."""
+    checkout run muser-decode --help, load_config("glimmer.yaml") and a bare sweep name."""
     src = tmp_path / "src"  # what the wheel is built from: a copy, so the checkout's build/ is left alone
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
@@ -50,7 +50,7 @@ def test_the_wheel_ships_the_configs_and_runs_outside_the_checkout(tmp_path):
                            env=env, timeout=120)
     assert help_.returncode == 0 and "usage: muser-decode" in help_.stdout, help_.stderr
     probe = ("import muser_ti as mt, muser_ti.config as c; from muser_ti.cli import sweep; "
-             "g = mt.load_config('glimmer.yaml'); s = sweep.load_sweep(c.CONFIG_DIR / 'sweeps' / 'tiny.yaml'); "
+             "g = mt.load_config('glimmer.yaml'); s = sweep.load_sweep('tiny.yaml'); "
              "print(mt.__file__, c.CONFIG_DIR, g.name, g.n_layers, s.name, sep='|')")
     out = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, cwd=outside, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -61,9 +61,9 @@ def test_the_wheel_ships_the_configs_and_runs_outside_the_checkout(tmp_path):
 
 def test_checkout_configs_are_the_top_level_folder():
     """In a checkout muser_ti/configs is a link to configs/ (DESIGN.md's layout keeps it at the top level)."""
-    from muser_ti.config import CONFIG_DIR
+    from muser_ti.config import CONFIG_DIR, SWEEP_DIR
 
-    assert CONFIG_DIR == (ROOT / "configs").resolve()
+    assert CONFIG_DIR == (ROOT / "configs").resolve() and SWEEP_DIR == CONFIG_DIR / "sweeps"
     assert (ROOT / "muser_ti" / "configs").resolve() == CONFIG_DIR
 
 

@@ -101,3 +101,42 @@ def test_sweep_runs_writes_outputs_and_resumes(tmp_path):
     done = sweep.run_sweep(sweep.load_sweep(path), out, quiet=True, plots=False)
     assert (done["executed"], done["skipped"]) == (0, 3)
     assert len(first["csv"].read_text().splitlines()) == 4
+
+
+# ---- where a user's sweep reads and writes ----------------------------------------------------------------
+def test_bare_sweep_names_resolve_to_configs_sweeps(tmp_path, monkeypatch, no_engine):
+    """`muser-sweep --config tiny.yaml` finds configs/sweeps/tiny.yaml, as muser-decode finds configs/NAME."""
+    from muser_ti.config import SWEEP_DIR
+
+    monkeypatch.chdir(tmp_path)
+    s = sweep.load_sweep("tiny.yaml")
+    assert s.path == SWEEP_DIR / "tiny.yaml" and s.name == "tiny"
+    (tmp_path / "tiny.yaml").write_text("not: a sweep")  # a file of that name here is a path, as for configs
+    with pytest.raises(sweep.SweepError, match="unknown key"):
+        sweep.load_sweep("tiny.yaml")
+
+
+def test_a_users_sweep_writes_outside_the_tracked_tree(tmp_path, monkeypatch):
+    """The default output folder is out/sweeps/ under the current folder, which git ignores: from a fresh
+    clone the README's command measures every point (the committed docs/sweeps/ results are not a run to
+    resume), and only a command that names docs/sweeps/ writes there."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    assert sweep.DEFAULT_OUT == Path("out") / "sweeps"
+    ignored = subprocess.run(["git", "check-ignore", "-q", "out/sweeps/tiny.csv"], cwd=root)
+    if ignored.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert ignored.returncode == 0  # .gitignore's /out/
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs" / "sweeps").mkdir(parents=True)  # a clone's committed results, all of t's points
+    path = _write(tmp_path, {"depth": [4]}, run={"steps": 1, "warmup": 0, "floor_gbps": 10.0, "per_route": False})
+    committed = tmp_path / "docs" / "sweeps" / "t.csv"
+    committed.write_text("the committed results\n")
+    assert sweep.main(["--config", str(path), "--no-plots"]) == 0
+    assert committed.read_text() == "the committed results\n"
+    rows = sweep.read_rows(tmp_path / "out" / "sweeps" / "t.csv", sweep.columns(sweep.load_sweep(path)))
+    assert len(rows) == 1
+    made_by = (tmp_path / "out" / "sweeps" / "t.md").read_text()
+    assert "--out out/sweeps`" in made_by

@@ -1,12 +1,16 @@
 """Geometry sweeps: short measured decodes over a grid of configs, with CSV, Markdown and plots.
 
-    muser-sweep --config configs/sweeps/depth.yaml             # results under docs/sweeps/ (or: python scripts/sweep.py)
-    muser-sweep --config configs/sweeps/tiny.yaml --dry-run    # validate and list the points
+    muser-sweep --config tiny.yaml                   # configs/sweeps/tiny.yaml; results in out/sweeps/ (or: python scripts/sweep.py)
+    muser-sweep --config depth.yaml --dry-run        # validate and list the points
+    muser-sweep --config depth.yaml --out docs/sweeps   # the committed results (the project's own runs)
 
 A sweep file names a base model config, ``fixed`` values applied to every point, and ``axes``
 whose cartesian product gives the points (keys: see AXES below).  Every point is validated before
-anything runs.  Results are appended to the CSV one point at a time, so an interrupted sweep
-resumes where it stopped: points whose key is already in the CSV are skipped.
+anything runs.  A bare file name resolves to configs/sweeps/, as muser-decode's resolve to configs/.
+Results are appended to the CSV one point at a time, so an interrupted sweep resumes where it stopped:
+points whose key is already in the CSV are skipped.  They go to ``out/sweeps/`` under the current folder
+unless --out names another: the results committed in docs/sweeps/ are documentation, never a run to resume,
+and only a command that names that folder writes there.
 
 How a point is measured (see docs/bandwidth.md for why):
   * prefill depth-1 tokens (chunked), then ``warmup`` + ``steps`` steps each at position depth-1
@@ -21,7 +25,6 @@ How a point is measured (see docs/bandwidth.md for why):
 
 from __future__ import annotations
 
-import argparse
 import csv
 import itertools
 import json
@@ -34,8 +37,9 @@ from pathlib import Path
 import numpy as np
 
 import muser_ti as mt
-from muser_ti import bandwidth, ladder
-from muser_ti.config import NOPE, SWA, read_yaml, resolve_config_path
+from muser_ti import backend, bandwidth, ladder
+from muser_ti.cli import ArgumentParser, Interrupted, guarded, need
+from muser_ti.config import NOPE, SWA, SWEEP_DIR, read_yaml, resolve_config_path
 from muser_ti.planes import PlaneError, PlaneSet
 from muser_ti.reference import relative_error
 GEOMETRY_AXES = ("n_heads", "n_kv_heads", "head_dim", "n_layers", "layer_pattern", "window", "swa_ring_slack",
@@ -45,6 +49,7 @@ AXES = GEOMETRY_AXES + ENGINE_AXES + ("depth",)
 RUN_KEYS = {"steps": 3, "warmup": 1, "check": True, "check_max_depth": None, "seed": 0, "prefill_chunk": 1024,
             "per_route": True, "floor_gbps": None}
 ENGINE_DEFAULTS = {"arch": "cpu", "pinned": "auto", "graph": "teacher", "capacity": None}
+DEFAULT_OUT = Path("out") / "sweeps"  # under the current folder; /out/ is ignored by git
 
 
 class SweepError(ValueError):
@@ -133,10 +138,19 @@ def _resolve_point(src: str, base: mt.Geometry, values: dict) -> Point:
     return Point(values, g, depth, engine)
 
 
+def resolve_sweep_path(name_or_path: str | Path) -> Path:
+    """A bare file name (no directory part) that is not a file here resolves to configs/sweeps/; anything
+    else is a path (load_config's rule, one folder down)."""
+    p = Path(name_or_path)
+    if p.parent == Path(".") and not p.exists():
+        p = SWEEP_DIR / p
+    return p
+
+
 def load_sweep(path: str | Path) -> Sweep:
-    """Read and validate a sweep file and every one of its points."""
-    path = Path(path)
-    raw = read_yaml(path, "no such sweep file", SweepError)
+    """Read and validate a sweep file and every one of its points (a bare name resolves to configs/sweeps/)."""
+    path = resolve_sweep_path(path)
+    raw = read_yaml(path, f"no such sweep file (bare names resolve to {SWEEP_DIR})", SweepError)
     src = str(path)
     if not isinstance(raw, dict):
         raise SweepError(f"{src}: expected a mapping with keys name, base, fixed, axes, run")
@@ -308,15 +322,21 @@ def read_rows(csv_path: Path, cols: list[str]) -> list[dict]:
 
 # ---- the job ------------------------------------------------------------------------------------
 def run_sweep(sweep: Sweep, out_dir: Path, fresh: bool = False, quiet: bool = False, plots: bool = True) -> dict:
+    """Measure the points not yet in ``out_dir``'s CSV; Ctrl-C becomes Interrupted, naming what is kept."""
+    need("rich", "muser-sweep", "its progress bar")
+    if plots:
+        need("matplotlib", "muser-sweep", "its plots; --no-plots writes the CSV and the table without it")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / f"{sweep.name}.csv"
+    cols = columns(sweep)
+    done = set() if fresh else {r["key"] for r in read_rows(csv_path, cols)}
+    todo = [p for p in sweep.points if p.key not in done]
+    for arch in dict.fromkeys(p.engine["arch"] for p in todo):
+        backend.activate(arch)  # a backend this machine lacks fails here, before anything is written
+    out_dir.mkdir(parents=True, exist_ok=True)
     if fresh and csv_path.exists():
         csv_path.unlink()
-    cols = columns(sweep)
-    done = {r["key"] for r in read_rows(csv_path, cols)}
-    todo = [p for p in sweep.points if p.key not in done]
     floor = sweep.run["floor_gbps"] or (measure_copy_gbps() if todo else None)
     new_file = not csv_path.exists()
     with csv_path.open("a", newline="") as f, Progress(
@@ -326,12 +346,18 @@ def run_sweep(sweep: Sweep, out_dir: Path, fresh: bool = False, quiet: bool = Fa
         if new_file:
             writer.writeheader()
         task = progress.add_task(f"{sweep.name}: {len(done)} done before", total=len(todo))
-        for p in todo:
-            label = ", ".join(f"{a}={p.values[a]}" for a in sweep.axes)
-            progress.update(task, description=f"{sweep.name}: {label}")
-            writer.writerow(measure_point(p, sweep.run, floor))
-            f.flush()  # one point at a time: an interrupted sweep keeps what it measured
-            progress.advance(task)
+        measured = 0
+        try:
+            for p in todo:
+                label = ", ".join(f"{a}={p.values[a]}" for a in sweep.axes)
+                progress.update(task, description=f"{sweep.name}: {label}")
+                writer.writerow(measure_point(p, sweep.run, floor))
+                f.flush()  # one point at a time: an interrupted sweep keeps what it measured
+                measured += 1
+                progress.advance(task)
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted after {measured} of {len(todo)} point(s); {len(done) + measured} are in "
+                              f"{csv_path}, and the same command resumes from there") from None
     from .sweep_report import write_markdown, write_plots
 
     rows = read_rows(csv_path, cols)
@@ -340,29 +366,25 @@ def run_sweep(sweep: Sweep, out_dir: Path, fresh: bool = False, quiet: bool = Fa
     return {"executed": len(todo), "skipped": len(sweep.points) - len(todo), "csv": csv_path, "md": md, "png": pngs}
 
 
+@guarded(SweepError)
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="sweep file (configs/sweeps/NAME.yaml)")
-    ap.add_argument("--out", default="docs/sweeps", help="output folder (default docs/sweeps/ under the current folder)")
-    ap.add_argument("--fresh", action="store_true", help="discard this sweep's CSV and measure every point again")
+    ap = ArgumentParser(prog="muser-sweep", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True,
+                    help="sweep file: a path, or a bare name in configs/sweeps/ (tiny.yaml, depth.yaml, ...)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT),
+                    help=f"output folder (default {DEFAULT_OUT}/ under the current folder; the committed results "
+                         f"are in docs/sweeps/)")
+    ap.add_argument("--fresh", action="store_true", help="discard this sweep's CSV in --out and measure every point again")
     ap.add_argument("--dry-run", action="store_true", help="validate and list the points; run nothing")
-    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-plots", action="store_true", help="write the CSV and the table only (no matplotlib needed)")
     args = ap.parse_args(argv)
-    try:
-        sweep = load_sweep(args.config)
-    except SweepError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    sweep = load_sweep(args.config)
     if args.dry_run:
         for p in sweep.points:
             print(p.key)
         print(f"{len(sweep.points)} points, all valid")
         return 0
-    try:
-        res = run_sweep(sweep, Path(args.out), fresh=args.fresh, plots=not args.no_plots)
-    except (SweepError, mt.EngineError, mt.PinnedUnavailable, mt.RouteError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    res = run_sweep(sweep, Path(args.out), fresh=args.fresh, plots=not args.no_plots)
     print(f"{sweep.name}: ran {res['executed']} point(s), skipped {res['skipped']} already in {res['csv']}")
     print(f"wrote {res['md']}" + "".join(f", {p}" for p in res["png"]))
     return 0

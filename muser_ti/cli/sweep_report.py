@@ -14,6 +14,7 @@ import numpy as np
 
 import muser_ti as mt
 from muser_ti import ladder
+from muser_ti.config import CONFIG_DIR, SWEEP_DIR
 
 def _num(x):
     try:
@@ -50,9 +51,9 @@ def write_markdown(sweep, rows: list[dict], out_dir: Path) -> Path:
     head = axes + ([] if "depth" in axes else ["depth"]) + ["routes (layers)", "step ms"] + [f"{r} ms" for r in ladder.ROUTES] + [
         "KV MB", "GB/s", "floor ms", "max rel err"]
     lines = [f"# Sweep `{sweep.name}`", "",
-             f"Made by `muser-sweep --config {_rel(sweep.path)}` on {platform.machine()} "
-             f"({os.cpu_count()} logical CPUs, {platform.processor() or platform.system()}). "
-             f"Base {sweep.base.name} ({_rel(Path(sweep.base.source))}), fixed {sweep.fixed or 'nothing'}, "
+             f"Made by `muser-sweep --config {_rel(sweep.path, SWEEP_DIR)} --out {_rel(out_dir)}` on "
+             f"{platform.machine()} ({os.cpu_count()} logical CPUs, {platform.processor() or platform.system()}). "
+             f"Base {sweep.base.name} ({_rel(Path(sweep.base.source), CONFIG_DIR)}), fixed {sweep.fixed or 'nothing'}, "
              f"run options {sweep.run}.", "",
              "Times are medians of the timed steps (each at exactly `depth` keys); per-route times come from "
              "single-class sub-geometries; the floor is the KV bytes read at the copy bandwidth in the "
@@ -74,9 +75,14 @@ def _ms(x, digits=2):
     return "" if v is None else f"{v * 1e3:.{digits}f}"
 
 
-def _rel(p: Path) -> str:
+def _rel(p: Path, shipped: Path | None = None) -> str:
+    """A path as a command line here would give it: a bare name for a file in the ``shipped`` folder (the
+    commands resolve bare names there), else relative to the current folder where it is inside it."""
+    path = Path(p).resolve()
+    if shipped is not None and path.parent == shipped.resolve():
+        return path.name
     try:
-        return str(Path(p).resolve().relative_to(Path.cwd()))
+        return str(path.relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(p)
 
