@@ -33,10 +33,12 @@ elif [ "$want_test" = 1 ]; then
 fi
 
 # The llama rung's ggml (ggml-python builds it from source) is built for the x86-64 AVX2 baseline, not for the
-# building machine (GGML_NATIVE): on an AVX-512 Xeon the native build's flash attention over large K and V
-# (tests/test_ggml_flash_attn.py::test_large_magnitudes) was 3.4-5.2e-2 of max|V| off the float64 reference,
-# against 4.3-4.7e-4 for the AVX2 build on the same machine (the test's bound is 3e-3): the rung the routes
-# are checked against would depend on the CI machine's processor.
+# building machine (GGML_NATIVE), so the rung's numerics do not depend on the CI machine's processor. AVX-512 is
+# not what moves them: ggml v0.15.3 computes f16 in half precision only on CPUs with AVX512-FP16 (Sapphire Rapids
+# and later Xeons; cpuid flag avx512_fp16): the 3.4-5.2e-2 of max|V| a native build once gave in test_large_magnitudes
+# on a Xeon (bound 3e-3) came from that. Without it (Zen 5, Ice Lake) the native AVX-512 build is 4.2-4.7e-4 off, like this
+# build (scripts/lab/ggml_builds_accuracy.py). The CPU bench's peer is a native build of its own
+# (muser_ti/bench/native_ggml.py, kept in ~/.cache/muser-ti/ggml-native/), never this one.
 export CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_NATIVE=OFF"
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
