@@ -202,8 +202,9 @@ class Token(_Open):
             self._scan(where, q3, k3, v3, axes)
             out3 = arrays.device_out(q3, shapes["q"])
             for i, plan in enumerate(self.plans):
-                sl = slice(i, i + 1) if self.n > 1 else slice(None)
-                launcher.attend_layer(plan, layer, self.route_sizes[i], q3[sl], k3[sl], v3[sl], out3[sl])
+                # one token: the arrays whole (Taichi ndarrays have no views); n tokens: torch's row views
+                row = (q3, k3, v3, out3) if self.n == 1 else (q3[i:i + 1], k3[i:i + 1], v3[i:i + 1], out3[i:i + 1])
+                launcher.attend_layer(plan, layer, self.route_sizes[i], *row)
             self.next_layer += 1
             return out3 if lead else out3.reshape(shapes["q"][1:])
         host = {}
