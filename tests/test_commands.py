@@ -127,6 +127,8 @@ def test_bench_bad_input_is_one_error_line(tmp_path, args, words):
 def test_sweep_bad_input_is_one_error_line(tmp_path):
     assert_one_error_line(run_command("sweep", "--config", "typo.yaml", cwd=tmp_path), "typo.yaml", "configs/sweeps")
     assert_one_error_line(run_command("sweep", cwd=tmp_path), "--config")
+    (tmp_path / "a-file").write_text("")  # --out names a file: mkdir's error, as one line
+    assert_one_error_line(run_command("sweep", "--config", "tiny.yaml", "--out", "a-file", cwd=tmp_path), "a-file")
 
 
 def test_sweep_on_a_missing_backend_fails_before_writing(tmp_path):

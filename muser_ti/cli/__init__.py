@@ -36,7 +36,7 @@ class Interrupted(Exception):
 # the project's errors at its public surface (muser_ti/errors.py; SnapshotError is an EngineError), and the
 # file errors a path given on the command line can raise
 PROJECT_ERRORS = (ConfigError, EngineError, BackendError, PinnedUnavailable, RouteError, PlaneError, CommandError)
-FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+FILE_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 def error_line(exc: BaseException) -> str:
