@@ -9,9 +9,10 @@ Two sources, and only the second is the code that runs:
 **What ``MUSER_TI_PRINT_ASM`` prints is not what runs.**  Taichi 1.7.4 (runtime/cpu/jit_cpu.cpp) emits that
 listing from its optimiser's target machine, made with ``getHostCPUName()`` and an empty feature string; the JIT
 then compiles the module again with ``JITTargetMachineBuilder::detectHost()``, which adds every host feature.
-Where LLVM 15 knows the CPU (an Ice Lake Xeon is ``icelake-server``) the two agree closely; where it does not
-(Zen 5 is ``generic``) the listing is SSE2 with software f16 conversion while the code that runs has AVX-512.
-The listing also runs the code generator's IR passes over the module the JIT then compiles.
+with default TargetOptions, so with fast_math on the listing has FMAs the running code has not (the JIT fuses
+nothing).  Where LLVM 15 does not know the CPU (Zen 5 is ``generic``) the listing is SSE2 with software f16
+conversion while the code that runs has AVX-512; where it does (an Ice Lake Xeon is ``icelake-server``) the
+instructions agree but for the FMAs.  docs/lab/taichi-cpu-target.md has the source and the measurements.
 
 ``--jit`` shows the code that runs: it starts the engine on the CPU in this process, steps it at ``--depth``
 keys (every kernel of the step compiled and run), copies every anonymous executable mapping of the process (the
