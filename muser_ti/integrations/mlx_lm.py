@@ -1,0 +1,449 @@
+"""The engine as the attention and KV cache of an mlx-lm model (Muse Glimmer), through mlx-lm's own cache protocol.
+
+    from mlx_lm import load, generate, stream_generate
+    from muser_ti.integrations import mlx_lm as mt_mlx
+
+    model, tokenizer = load("mlx-community/...")                 # or muse_glimmer.Model(ModelArgs(...))
+    cache = mt_mlx.make_cache(model, arch="auto")                # in place of model.make_cache()
+    text = generate(model, tokenizer, prompt, prompt_cache=cache)
+    cache[0].engine                                              # the Engine: routes, route_counts, planes
+
+    # speculative decoding (mlx-lm's own draft-and-verify loop): the rings must roll back a draft's length
+    cache = mt_mlx.make_cache(model, rollback=8) + draft_model.make_cache()
+    stream_generate(model, tokenizer, prompt, draft_model=draft_model, num_draft_tokens=4, prompt_cache=cache)
+
+How a forward reaches the engine.  mlx-lm has no attention registry: the model module calls the name
+``scaled_dot_product_attention`` it imported from ``mlx_lm.models.base``, after ``cache.update_and_fetch``.
+``make_cache`` (or :func:`install`) puts a dispatcher under that name, in ``mlx_lm.models.base`` and in every
+loaded ``mlx_lm.models`` module that imported it; the dispatcher calls the original for any cache that is not
+a :class:`MuserKVCache`, so other models and mlx-lm's own caches run exactly as before.  For ours, layer 0's
+``update_and_fetch`` decides what the forward is:
+
+* several tokens on an empty cache (the prompt): mlx's own attention computes the prompt's outputs over the
+  chunk's k/v with the mask the model built, and the engine ingests the chunk's K/V layer by layer
+  (``Engine.prompt``), committed after the last layer;
+* one token: layer 0 opens ``Engine.token()``, every layer attends on the engine, the last layer commits;
+* several tokens after the prompt (a speculative verify pass, a second prompt chunk): ``Engine.token(n)``,
+  each token over the cache and the chunk's earlier tokens.
+
+The engine's work runs when the model's Python reaches each layer (mlx builds graphs lazily; the engine reads
+q, k and v at once, so a forward on our cache evaluates layer by layer).  mlx arrays cross on the CPU through
+the buffer protocol: at most one copy in (a layout change), one copy out.
+
+A forward that raises between layers leaves its token open; the next call on the cache (the next forward's
+layer 0, ``trim``, :func:`save_cache`) abandons it first, so the engine is exactly as before that forward.
+
+Rollback.  ``trim(n)`` is ``Engine.rewind(position - n)``; mlx-lm trims every layer's cache by the same n, and
+the shared engine rewinds once.  A sliding-window ring keeps only its window unless the geometry gives it
+slack, so ``make_cache(model, rollback=N)`` builds rings that roll back N tokens (``swa_ring_slack=N``);
+mlx-lm's speculative loop trims at most ``num_draft_tokens`` a round.  ``is_trimmable()`` is a property of
+the cache, not of the moment: True where ``rollback > 0`` (or the model has no sliding layers).  It never
+turns False mid-generation because mlx-lm's ``trim_prompt_cache`` silently skips a cache that says it cannot
+trim (mlx-lm's own RotatingKVCache does that once its ring is full, and a speculative run then keeps the
+rejected draft tokens); a trim past what the rings hold is refused with EngineError, the cache unchanged.
+
+Saving.  mlx-lm's ``save_prompt_cache`` stores each cache's ``state`` as mlx arrays and rebuilds caches by
+class name from ``mlx_lm.models.cache``; the engine's planes are neither, so it is refused with a message
+naming :func:`save_cache` / :func:`load_cache` (``Engine.save``: atomic, bit-for-bit resumable).
+
+One sequence: batch size 1 (a larger batch is refused; batching is the next capability).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+from mlx_lm.models import base as _mlx_base
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import _BaseCache
+
+from .. import Engine, geometry_from_model_config
+from ..config import NOPE, SWA
+from ..errors import EngineError
+
+__all__ = ["MuserKVCache", "MuserSession", "install", "load_cache", "make_cache", "save_cache",
+           "scaled_dot_product_attention", "uninstall"]
+
+
+# ---- the dispatcher ----------------------------------------------------------------------------------
+
+def _find_original():
+    fn = _mlx_base.scaled_dot_product_attention
+    return getattr(fn, "_muser_original", fn)
+
+
+_ORIGINAL = _find_original()  # mlx-lm's own scaled_dot_product_attention
+
+
+def scaled_dot_product_attention(queries, keys, values, cache=None, scale=None, mask=None, sinks=None, **kwargs):
+    """mlx-lm's ``scaled_dot_product_attention`` with the engine behind a :class:`MuserKVCache`: any other cache
+    (or none) goes to mlx-lm's own function unchanged."""
+    if isinstance(cache, MuserKVCache):
+        if kwargs:
+            raise EngineError(f"muser_ti attention, layer {cache.layer}: arguments {sorted(kwargs)} are not supported")
+        return cache.session._attend(cache.layer, queries, keys, values, scale, mask, sinks)
+    if sinks is not None:
+        kwargs["sinks"] = sinks
+    return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+
+
+scaled_dot_product_attention._muser_original = _ORIGINAL
+_NAME = "scaled_dot_product_attention"
+
+
+def _model_modules():
+    """mlx_lm.models.base and every loaded mlx_lm.models module holding mlx-lm's own function."""
+    found = [_mlx_base]
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and module is not None and module is not _mlx_base:
+            if getattr(module, _NAME, None) in (_ORIGINAL, scaled_dot_product_attention):
+                found.append(module)
+    return found
+
+
+def install(model=None) -> None:
+    """Put the dispatcher where mlx-lm's model modules look the attention up (idempotent; ``make_cache`` calls
+    it).  ``model``: also its own module, wherever it was loaded from.  Caches other than ours are untouched."""
+    modules = _model_modules()
+    if model is not None:
+        module = sys.modules.get(type(model).__module__)
+        if module is not None and module not in modules:
+            have = getattr(module, _NAME, None)
+            if have is None:
+                raise EngineError(f"{type(model).__module__}: the model module has no '{_NAME}' to route through the "
+                                  f"engine (mlx-lm's model modules import it from mlx_lm.models.base)")
+            if have not in (_ORIGINAL, scaled_dot_product_attention):
+                raise EngineError(f"{type(model).__module__}.{_NAME} is neither mlx-lm's nor muser_ti's; refusing to "
+                                  f"replace it")
+            modules.append(module)
+    for module in modules:
+        setattr(module, _NAME, scaled_dot_product_attention)
+
+
+def uninstall() -> None:
+    """Put mlx-lm's own function back everywhere :func:`install` put the dispatcher."""
+    for name, module in list(sys.modules.items()):
+        if module is not None and (name.startswith("mlx_lm.") or module is _mlx_base):
+            if getattr(module, _NAME, None) is scaled_dot_product_attention:
+                setattr(module, _NAME, _ORIGINAL)
+
+
+# ---- the shared session --------------------------------------------------------------------------------
+
+class _Unserializable:
+    """What ``state`` holds: mlx.core.eval skips it (mlx-lm evaluates every cache's state after a prompt chunk),
+    and mlx-lm's save_prompt_cache refuses it, printing this repr."""
+
+    def __repr__(self) -> str:
+        return ("<muser_ti engine cache: its K/V live in the engine's planes, which mlx-lm's save_prompt_cache "
+                "cannot hold; save with muser_ti.integrations.mlx_lm.save_cache(cache, path) (Engine.save) and resume "
+                "with load_cache(model, path)>")
+
+
+_UNSERIALIZABLE = _Unserializable()
+
+
+class MuserSession:
+    """One engine shared by a model's per-layer caches, and the forward in flight on it."""
+
+    def __init__(self, engine: Engine, model_args=None):
+        self.engine = engine
+        self.model_args = model_args
+        self.n_layers = engine.cfg.n_layers
+        self._open = None  # the Token or Prompt opened by layer 0 of the forward in flight
+        self._mode = None  # "prompt" | "token"
+        self._pending = None  # (layer, keys, values) update_and_fetch returned, for the attention to consume
+        self._trim_round = None  # (n, position after the rewind, layers that have trimmed)
+        self.rewinds = 0  # trims that dropped tokens (one per round of per-layer trims), for tests and users
+        self.tokens_rewound = 0
+
+    @property
+    def rollback(self) -> int:
+        """Tokens a trim can take back once the rings are full (the rings' slack beyond the window)."""
+        return self.engine.cfg.swa_ring_slack
+
+    def __repr__(self) -> str:
+        return (f"<MuserSession: {self.n_layers} layers at position {self.engine.position}, arch {self.engine.arch}, "
+                f"rollback {self.rollback}>")
+
+    # ---- a forward ---------------------------------------------------------------------------------------
+    def _update(self, layer: int, keys, values):
+        L = self.n_layers
+        shape = tuple(keys.shape)
+        if len(shape) != 4 or tuple(values.shape)[:3] != shape[:3]:
+            self.recover()
+            raise EngineError(f"MuserKVCache.update_and_fetch layer {layer}: keys {shape} and values "
+                              f"{tuple(values.shape)}, expected both [batch, kv_heads, tokens, head_dim]")
+        batch, n = shape[0], shape[2]
+        if batch != 1:
+            self.recover()
+            raise EngineError(f"muser_ti's mlx-lm cache runs one sequence: batch size {batch}, expected 1 (batching "
+                              f"is not supported yet); the engine is as before this forward")
+        self._trim_round = None
+        if layer == 0:
+            self.recover()
+            eng = self.engine
+            if n > 1 and eng.position == 0:
+                self._mode, self._open = "prompt", eng.prompt(n)
+            else:
+                self._mode, self._open = "token", eng.token(n)
+        else:
+            problem = None
+            if self._open is None or not self._open.is_open:
+                problem = (f"layer {layer} arrived with no forward open (layer 0 opens it): layers must run "
+                           f"0..{L - 1} in order")
+            elif self._pending is not None:
+                problem = (f"layer {self._pending[0]}'s attention did not go through muser_ti's dispatcher (the model "
+                           f"module's '{_NAME}' is not the one install() puts there), so the engine never saw it")
+            elif layer != self._open.next_layer:
+                problem = f"layer {layer} arrived where layer {self._open.next_layer} was next"
+            elif n != self._open.n:
+                problem = f"layer {layer} has {n} token(s), the forward opened with {self._open.n}"
+            if problem is not None:
+                self.recover()
+                raise EngineError(f"MuserKVCache.update_and_fetch: {problem}; the engine is as before this forward")
+        self._pending = (layer, keys, values)
+        return keys, values
+
+    def recover(self) -> None:
+        """Abandon what a forward that raised left open (the engine goes back to before that forward).  The next
+        forward, trim and save_cache do this themselves."""
+        self._pending = None
+        opened, self._open, self._mode = self._open, None, None
+        if opened is not None and opened.is_open:
+            opened.abandon()
+
+    def _attend(self, layer, queries, keys, values, scale, mask, sinks):
+        pending, self._pending = self._pending, None
+        try:
+            if pending is None or pending[0] != layer or pending[1] is not keys or pending[2] is not values:
+                raise EngineError(f"muser_ti attention, layer {layer}: called without this layer's update_and_fetch "
+                                  f"just before it (or with other keys/values than it returned)")
+            if sinks is not None:
+                raise EngineError(f"muser_ti attention, layer {layer}: attention sinks are not supported by the engine")
+            cfg = self.engine.cfg
+            if scale is None or abs(float(scale) - cfg.attention_scale) > 1e-6 * cfg.attention_scale:
+                raise EngineError(f"muser_ti attention, layer {layer}: scale {scale!r}, but the engine's geometry "
+                                  f"applies {cfg.attention_scale!r} (1/sqrt(head_dim)); the model is not the one "
+                                  f"the cache was made for")
+            B, H, n, D = queries.shape
+            if B != 1:
+                raise EngineError(f"muser_ti's mlx-lm cache runs one sequence: batch size {B}, expected 1")
+            opened = self._open
+            if self._mode == "prompt":
+                out = _ORIGINAL(queries, keys, values, cache=None, scale=scale, mask=mask)
+                opened.store(layer, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
+            else:
+                if n == 1:
+                    got = opened.attend(layer, queries[0, :, 0, :], keys[0, :, 0, :], values[0, :, 0, :])
+                else:
+                    got = opened.attend(layer, queries[0].transpose(1, 0, 2), keys[0].transpose(1, 0, 2),
+                                        values[0].transpose(1, 0, 2))
+                out = got.reshape(1, n, H, D).transpose(0, 2, 1, 3)
+                if out.dtype != queries.dtype:
+                    out = out.astype(queries.dtype)
+            if layer == self.n_layers - 1:
+                self._open, self._mode = None, None
+                opened.commit()
+            return out
+        except BaseException:
+            self.recover()
+            raise
+
+    # ---- between forwards --------------------------------------------------------------------------------
+    def _trim(self, layer: int, n: int) -> int:
+        """One layer's trim(n): the first layer of a round rewinds the engine, the others find it done."""
+        self.recover()
+        n = int(n)
+        if n < 0:
+            raise EngineError(f"MuserKVCache.trim({n}): expected a count >= 0")
+        eng = self.engine
+        rnd = self._trim_round
+        if rnd is not None and rnd[0] == n and rnd[1] == eng.position and layer not in rnd[2]:
+            rnd[2].add(layer)
+            if len(rnd[2]) == self.n_layers:
+                self._trim_round = None
+            return rnd[3]
+        position = eng.position
+        n_eff = min(n, position)
+        if n_eff:
+            try:
+                eng.rewind(position - n_eff)
+            except EngineError as e:
+                raise EngineError(f"MuserKVCache.trim({n}) at position {position}: {e} (make_cache(model, "
+                                  f"rollback={self.rollback}) rolls back {self.rollback} token(s) once the rings are "
+                                  f"full: build it with a rollback that covers the longest draft)") from e
+            self.rewinds += 1
+            self.tokens_rewound += n_eff
+        self._trim_round = (n, eng.position, {layer}, n_eff) if self.n_layers > 1 else None
+        return n_eff
+
+    def save(self, path) -> None:
+        self.recover()
+        self.engine.save(path)
+
+
+# ---- the per-layer caches --------------------------------------------------------------------------------
+
+class MuserKVCache(_BaseCache):
+    """One layer's view of the shared engine, with mlx-lm's cache protocol (what generate, stream_generate,
+    generate_step and speculative_generate_step touch).  ``engine`` and ``session`` are shared by every layer."""
+
+    def __init__(self, session: MuserSession, layer: int):
+        self.session = session
+        self.engine = session.engine
+        self.layer = layer
+        self.kind = session.engine.cfg.layer_kinds[layer]
+
+    def __repr__(self) -> str:
+        return f"<MuserKVCache layer {self.layer} ({self.kind}) at offset {self.offset}>"
+
+    @property
+    def offset(self) -> int:
+        """Tokens committed to the engine (the position of the next token): the RoPE offset the model reads
+        before update_and_fetch.  (mlx's own caches count a chunk at each layer's update; between forwards,
+        where generate reads it, the two agree.)"""
+        return self.engine.position
+
+    @offset.setter
+    def offset(self, value) -> None:
+        raise EngineError("MuserKVCache.offset is the engine's position: roll back with trim(n)")
+
+    def update_and_fetch(self, keys, values):
+        """keys/values [1, n_kv_heads, n, head_dim] of this layer for the forward's n tokens; returns them as they
+        came (the prompt's own attention attends them; the engine attends the rest)."""
+        return self.session._update(self.layer, keys, values)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        """The mask the model hands the attention.  The prompt (position 0) runs mlx's own attention over the
+        chunk: mlx's causal (and sliding) mask.  Everything else runs on the engine, whose masking is addressing
+        (tokens outside the window are never read): no mask."""
+        if N == 1 or self.engine.position > 0:
+            return None
+        if return_array or (window_size is not None and N > window_size):
+            return create_causal_mask(N, 0, window_size=window_size)
+        return "causal"
+
+    # ---- state and size ----------------------------------------------------------------------------------
+    @property
+    def state(self):
+        return [_UNSERIALIZABLE]
+
+    @state.setter
+    def state(self, v):
+        raise EngineError("a MuserKVCache is not rebuilt from mlx arrays: resume with "
+                          "muser_ti.integrations.mlx_lm.load_cache(model, path)")
+
+    @property
+    def meta_state(self):
+        return ""
+
+    def is_trimmable(self) -> bool:
+        return self.session.rollback > 0 or not self.engine.cfg.swa_layers
+
+    def trim(self, n: int) -> int:
+        return self.session._trim(self.layer, n)
+
+    def size(self) -> int:
+        """Tokens this layer's plane holds (a ring: at most its capacity)."""
+        return self.engine.planes[self.kind].state.len
+
+    def empty(self) -> bool:
+        return self.engine.position == 0
+
+    @property
+    def nbytes(self) -> int:
+        """This layer's share of the engine's planes: rows allocated x K and V x f16."""
+        cfg = self.engine.cfg
+        return self.engine.planes[self.kind].state.capacity * cfg.n_kv_heads * cfg.head_dim * 2 * 2
+
+    @classmethod
+    def from_state(cls, state):
+        raise EngineError("a MuserKVCache is not rebuilt from mlx arrays: resume with "
+                          "muser_ti.integrations.mlx_lm.load_cache(model, path)")
+
+
+# ---- building one --------------------------------------------------------------------------------------
+
+def _layer_kinds_match(model, geometry) -> None:
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise EngineError(f"{type(model).__name__}: no 'layers' (an mlx-lm model's list of decoder layers)")
+    if len(layers) != geometry.n_layers:
+        raise EngineError(f"{type(model).__name__} has {len(layers)} layers, the geometry {geometry.n_layers}")
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        sliding = getattr(attn, "is_sliding", None)
+        if sliding is not None and (SWA if sliding else NOPE) != geometry.layer_kinds[i]:
+            raise EngineError(f"layer {i}: the model's attention is {'sliding' if sliding else 'full'}, the geometry "
+                              f"says {geometry.layer_kinds[i]}")
+
+
+def _caches(model, engine: Engine) -> list[MuserKVCache]:
+    _layer_kinds_match(model, engine.cfg)
+    install(model)
+    session = MuserSession(engine, getattr(model, "args", None))
+    return [MuserKVCache(session, i) for i in range(engine.cfg.n_layers)]
+
+
+def make_cache(model, arch: str = "auto", *, rollback: int = 0, max_context: int | None = None,
+               engine: Engine | None = None, **engine_options) -> list[MuserKVCache]:
+    """The per-layer cache list mlx-lm's generate / stream_generate / generate_step take as ``prompt_cache``, in
+    place of ``model.make_cache()``: one Engine, built from the model's own args (``model.args``), shared by
+    every layer.
+
+    ``arch``: the engine's backend (auto | cpu | cuda | vulkan | metal).  ``rollback``: tokens a trim can take
+    back once the rings are full (the rings' slack, ``swa_ring_slack``); speculative decoding needs at least its
+    ``num_draft_tokens``.  ``max_context``: the context the NoPE planes may grow to (default: the model's
+    ``max_position_embeddings``).  ``engine``: an existing Engine to wrap instead (its geometry must be the
+    model's).  Other keywords go to ``mt.Engine`` (pinned=, capacity=, ...).  Installs the dispatcher
+    (:func:`install`) for the model's module.
+    """
+    args = getattr(model, "args", None)
+    if args is None:
+        raise EngineError(f"{type(model).__name__}: no 'args' (an mlx-lm model's ModelArgs) to read the geometry from")
+    if engine is None:
+        geometry = geometry_from_model_config(args, max_context=max_context, swa_ring_slack=rollback)
+        engine = Engine(geometry, arch=arch, **engine_options)
+    else:
+        if engine_options or max_context is not None or rollback:
+            raise EngineError("make_cache(engine=...): the engine brings its own geometry and options; pass rollback=, "
+                              "max_context= and engine options only for a new engine")
+        _check_same_geometry(engine.cfg, geometry_from_model_config(args, max_context=engine.cfg.max_context,
+                                                                    swa_ring_slack=engine.cfg.swa_ring_slack))
+    return _caches(model, engine)
+
+
+def save_cache(cache, path) -> None:
+    """The engine's session behind ``cache`` (a make_cache list, or one of its layers) to a safetensors file:
+    Engine.save (atomic; load_cache resumes it bit for bit).  A forward left open by an exception is abandoned
+    first."""
+    _session_of(cache).save(path)
+
+
+def load_cache(model, path, arch: str = "auto", **engine_options) -> list[MuserKVCache]:
+    """A make_cache list resuming the session ``save_cache`` wrote (Engine.from_snapshot; its geometry must be the
+    model's)."""
+    return make_cache(model, engine=Engine.from_snapshot(path, arch=arch, **engine_options))
+
+
+def _session_of(cache) -> MuserSession:
+    if isinstance(cache, MuserKVCache):
+        return cache.session
+    ours = [c for c in cache if isinstance(c, MuserKVCache)] if isinstance(cache, (list, tuple)) else []
+    if not ours:
+        raise EngineError("expected a cache list from muser_ti.integrations.mlx_lm.make_cache (or one of its layers)")
+    sessions = {id(c.session): c.session for c in ours}
+    if len(sessions) > 1:
+        raise EngineError("the cache list holds layers of several engines (a speculative run's model + draft "
+                          "caches?): pass the model's part, cache[:len(model.layers)]")
+    return ours[0].session
+
+
+def _check_same_geometry(have, want) -> None:
+    fields = ("n_heads", "n_kv_heads", "head_dim", "n_layers", "layer_kinds", "window", "attention_scale")
+    diff = [f"{f} {getattr(have, f)!r} (model: {getattr(want, f)!r})" for f in fields
+            if getattr(have, f) != getattr(want, f)]
+    if diff:
+        raise EngineError("make_cache: the engine's geometry is not the model's: " + "; ".join(diff))
