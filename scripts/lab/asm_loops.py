@@ -8,7 +8,7 @@ Two sources, and only the second is the code that runs:
 
 **What ``MUSER_TI_PRINT_ASM`` prints is not what runs.**  Taichi 1.7.4 (runtime/cpu/jit_cpu.cpp) emits that
 listing from its optimiser's target machine, made with ``getHostCPUName()`` and an empty feature string; the JIT
-then compiles the module again with ``JITTargetMachineBuilder::detectHost()``, which adds every host feature.
+then compiles the module again with ``JITTargetMachineBuilder::detectHost()``, which adds every host feature,
 with default TargetOptions, so with fast_math on the listing has FMAs the running code has not (the JIT fuses
 nothing).  Where LLVM 15 does not know the CPU (Zen 5 is ``generic``) the listing is SSE2 with software f16
 conversion while the code that runs has AVX-512; where it does (an Ice Lake Xeon is ``icelake-server``) the
