@@ -44,7 +44,8 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 if [ "$want_test" = 1 ]; then
-  .venv/bin/python -m pip install -q -e ".[test,cli]"
+  # the tests run the real clients too: mlx-lm's and transformers' Glimmer (the [mlx] and [hf] extras)
+  .venv/bin/python -m pip install -q -e ".[test,cli,mlx,hf]"
 else
   .venv/bin/python -m pip install -q -e ".[cli]"
 fi

@@ -18,6 +18,9 @@
 #   tune             the GPU producer's tiles in one process against the float64 reference (scripts/lab/tune_gpu.py
 #                    tiles; TUNE_VARIANTS), with ptxas's registers and spills per producer
 #   spread           CUDA steps in SPREAD_ROUNDS processes: the host's speed moves between processes
+#   model            a model's calls: the per-layer token's tests and transformers' Glimmer on the engine on CUDA
+#                    (torch CUDA tensors, zero-copy) and Vulkan (host tensors); the host's cost per layer against
+#                    step(); the engine against torch's SDPA as a model calls it (MODEL_DEPTHS, MODEL_TESTS)
 #
 # Carry .whl (taichi 1.7.4 cp312, dill, colorama; pytest-xdist and execnet for tests), .gl (the Vulkan
 # loader's .debs) and, for the llama.cpp CUDA peer, .ggml (ggml-python 0.0.45's sdist).
@@ -166,5 +169,19 @@ spread)  # the first process compiles (a cold CUDA step build takes over 150 s);
       --json "$OUT/spread-$round.json"
   done;;
 
-*) echo "run.sh: unknown mode $what (bench, tests, profile, ab OLD NEW, tune, spread)"; exit 2;;
+model)
+  timeout -s INT -k 45 ${TEST_TIMEOUT:-420} python3 -m pytest -v -rfE -p no:cacheprovider --arch cuda --arch vulkan \
+    ${MODEL_TESTS:-tests/test_token.py tests/test_transformers_integration.py} > "$OUT/model-tests.log" 2>&1
+  echo "== model tests rc=$?"; grep -cE " PASSED" "$OUT/model-tests.log" | sed 's/$/ passed/'
+  grep -E "FAILED|ERROR" "$OUT/model-tests.log" | head -30; tail -3 "$OUT/model-tests.log"
+  for depth in ${MODEL_DEPTHS:-2048 32768}; do
+    timeout 150 python3 -m muser_ti.bench.in_model --peer torch --arch cuda --depth $depth --tokens 20 --json \
+      > "$OUT/in_model_cuda_$depth.json" 2> "$OUT/in_model_cuda_$depth.err"; echo "== in_model cuda $depth rc=$?"
+    grep -E '"(depth|engine_ms|peer_ms|ratio)"' "$OUT/in_model_cuda_$depth.json" | tr -d '\n '; echo
+  done
+  timeout 150 python3 -m muser_ti.bench.per_layer --arch cuda --depth 64 --depth 2048 --tokens 20 --json \
+    > "$OUT/per_layer_cuda.json" 2> "$OUT/per_layer_cuda.err"; echo "== per_layer cuda rc=$?"
+  grep -E '"(depth|step_ms|token_by_layer_ms|overhead_us_per_layer)"' "$OUT/per_layer_cuda.json" | tr -d '\n '; echo;;
+
+*) echo "run.sh: unknown mode $what (bench, tests, profile, ab OLD NEW, tune, spread, model)"; exit 2;;
 esac
