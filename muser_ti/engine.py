@@ -420,6 +420,9 @@ class Engine:
                   routes: list[str] | None = None) -> np.ndarray:
         """float64 reference of the last step over the engine's own planes, per layer (reference.over_planes:
         layers that took the interleaved route read the current token from k_cur/v_cur, as that route does)."""
+        if routes is None and any(route is None for route in self.routes):
+            raise EngineError("reference(): no step has run yet; it is the float64 reference of the last step, so "
+                              "call step(q, k, v) first and pass reference() the same q, k and v")
         self._settle()
         return over_planes(self.cfg, self.cache, self.routes if routes is None else routes, q, k_cur, v_cur)
 

@@ -198,7 +198,8 @@ class PlaneSet:
         logical_start, visible = visible_span(self.geom, self.kind, last)
         if new.origin_logical > logical_start:
             raise PlaneError(
-                f"{self.kind} ring of capacity {new.capacity} cannot hold the window of {visible} rows at position {last}"
+                f"{self.kind} ring of capacity {new.capacity} cannot hold the window of {visible} rows at position {last} "
+                f"(window {self.geom.window}); give the session a capacity >= the window"
             )
         return new
 

@@ -71,7 +71,7 @@ def test_prefill_the_planes_cannot_hold(arch):
         tiny.prefill(*_kv(5, cfg))
     assert_live_equal(before, live(tiny))
     small_ring = mt.Engine(cfg, arch=arch, pinned="off", capacity=8)  # a ring smaller than its window
-    with pytest.raises(EngineError, match="ring of capacity 8 cannot hold the window of 9 rows at position 8"):
+    with pytest.raises(EngineError, match=r"ring of capacity 8 cannot hold the window of 9 rows at position 8 \(window 16\)"):
         small_ring.prefill(*_kv(9, cfg))
     assert small_ring.position == 0 and small_ring.planes["swa"].state.len == 0
     eng = mt.Engine(cfg, arch=arch, pinned="off")
@@ -128,3 +128,11 @@ def test_refused_input_leaves_the_serving_cache_alone(arch):
         eng.rewind(20)
     assert_live_equal(before, live(eng))
     s.step()
+
+
+def test_reference_before_any_step_says_so(arch):
+    eng = mt.Engine(geometry(**D64), arch=arch, pinned="off")
+    Session(eng, seed=1).prefill(5)
+    q = np.ones((eng.cfg.n_layers, eng.cfg.n_heads, eng.cfg.head_dim), np.float32)
+    with pytest.raises(EngineError, match=r"reference\(\): no step has run yet"):
+        eng.reference(q)
