@@ -381,6 +381,27 @@ def test_speculative_decoding_equals_greedy(glimmer, draft_kind):
     assert eng.position in (PROMPT - 1 + DECODE, PROMPT + DECODE)
 
 
+def test_speculative_through_many_ring_wraps_equals_greedy():
+    """The same loop where the rings wrap many times while drafts are rejected: a Glimmer with a 32-token window
+    (4 layers), a 50-token prompt and 80 tokens.  The engine's cache gives greedy's tokens.  (mlx-lm 0.32.2's own
+    caches do not: its RotatingKVCache says it cannot trim once its ring is full, trim_prompt_cache then trims no
+    layer at all, silently, and the rejected drafts stay in the cache; on this run its tokens part from greedy's
+    at the second token.)"""
+    model = build_glimmer(4, seed=2, sliding_window=32)
+    draft = build_draft(seed=3)
+    prompt = prompt_tokens(50, seed=4)
+    greedy = [t for t, _ in generate_step(prompt, model, prompt_cache=mt_mlx.make_cache(model, arch=ARCH),
+                                          max_tokens=80)]
+    cache = mt_mlx.make_cache(model, arch=ARCH, rollback=NUM_DRAFT)
+    calls = _counting_rewinds(cache[0].engine)
+    spec = [t for t, _, _ in speculative_generate_step(prompt, model, draft, prompt_cache=cache + draft.make_cache(),
+                                                       num_draft_tokens=NUM_DRAFT, max_tokens=80)]
+    assert spec == greedy
+    ring = cache[0].engine.planes[SWA].state
+    assert ring.capacity == 32 + NUM_DRAFT and ring.origin_logical > 2 * ring.capacity, ring  # wrapped twice or more
+    assert len(calls) > 10
+
+
 # ---- (e) atomic forwards, one sequence ---------------------------------------------------------------------
 
 
