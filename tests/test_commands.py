@@ -39,7 +39,7 @@ def test_decode_reports_bad_input_on_stderr_with_status_2(tmp_path):
     assert "absent.yaml" in out.stderr
 
 
-@pytest.mark.parametrize("command", ["muser-decode", "muser-sweep", "muser-bench"])
+@pytest.mark.parametrize("command", ["muser-decode", "muser-sweep", "muser-bench", "muser-model"])
 def test_console_entry_points_are_installed(command):
     exe = Path(sys.executable).parent / command
     if not exe.exists():

@@ -1,0 +1,242 @@
+"""muser-model: the whole Muse Glimmer generating text with the engine as its decode attention.
+
+The model is transformers' own ``MuseGlimmerForConditionalGeneration`` or mlx-lm's own ``muse_glimmer.Model``:
+a local checkpoint (``--checkpoint DIR``, nothing is downloaded), or else a Glimmer with random weights whose
+attention geometry is the config's (glimmer.yaml: 52 layers, 32 query heads over 2 KV heads, head_dim 128,
+window 2,048) and whose width is cut (muser_ti/integrations/random_glimmer.py).  The framework's own attention
+computes the prompt, the engine ingests its K/V layer by layer, then every decoded token's 52 attentions run
+on the engine (muser_ti/integrations/).  It prints the whole model's tokens/s and the attention's share of a
+token, the routes, and the agreement with the framework's own attention: the same tokens run through the
+framework's own cache and attention, their logits against the engine's within the f16 planes' bound
+(muser_ti/tolerances.py), and the greedy choices.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import ArgumentParser, CommandError, guarded, nonnegative_int, positive_int
+
+FRAMEWORKS = {"transformers": ("transformers", "hf"), "mlx": ("mlx_lm", "mlx")}
+
+
+def _need_framework(name: str):
+    module, extra = FRAMEWORKS[name]
+    try:
+        __import__(module)
+    except ImportError:
+        raise CommandError(f"--framework {name} needs {module}, which is not installed: pip install "
+                           f"'muser-ti[{extra}]'") from None
+
+
+def _timed_attention(engine, spent: list) -> None:
+    """Count the wall time of every attend the model's forward makes on ``engine`` into spent[0]."""
+    open_token = engine.token
+
+    def token(n=1):
+        t = open_token(n)
+        attend = t.attend
+
+        def timed(*args):
+            t0 = time.perf_counter()
+            try:
+                return attend(*args)
+            finally:
+                spent[0] += time.perf_counter() - t0
+
+        t.attend = timed
+        return t
+
+    engine.token = token
+
+
+class TransformersRun:
+    name = "transformers"
+
+    def __init__(self, geometry, checkpoint, arch: str, seed: int):
+        import torch
+
+        from ..integrations import transformers as mt_hf
+        from ..integrations.random_glimmer import transformers_model
+
+        self.torch, self.mt_hf = torch, mt_hf
+        mt_hf.register()
+        if checkpoint:
+            from transformers import MuseGlimmerForConditionalGeneration
+
+            self.model = MuseGlimmerForConditionalGeneration.from_pretrained(checkpoint, local_files_only=True,
+                                                                             dtype=torch.float32).eval()
+        else:
+            self.model = transformers_model(geometry, seed=seed)
+        self.vocab = self.model.config.text_config.vocab_size
+        self.cache = mt_hf.MuserCache(self.model.config, arch=arch)
+        self.engine = self.cache.engine
+
+    def prompt(self, ids: np.ndarray) -> np.ndarray:
+        self.model.set_attn_implementation("muser_ti")
+        with self.torch.no_grad():
+            out = self.model(input_ids=self.torch.from_numpy(ids)[None], cache=self.cache, logits_to_keep=1)
+        return out.logits[0, -1].float().numpy()
+
+    def step(self, token: int) -> np.ndarray:
+        with self.torch.no_grad():
+            out = self.model(input_ids=self.torch.tensor([[token]]), cache=self.cache)
+        return out.logits[0, -1].float().numpy()
+
+    def reference(self, ids: np.ndarray, first: int) -> np.ndarray:
+        """The framework's own cache and attention (sdpa, f32 K/V) over ``ids``: logits from position first."""
+        self.model.set_attn_implementation("sdpa")
+        try:
+            with self.torch.no_grad():
+                out = self.model(input_ids=self.torch.from_numpy(ids)[None])
+        finally:
+            self.model.set_attn_implementation("muser_ti")
+        return out.logits[0, first:].float().numpy()
+
+
+class MlxRun:
+    name = "mlx"
+
+    def __init__(self, geometry, checkpoint, arch: str, seed: int):
+        import mlx.core as mx
+
+        from ..integrations import mlx_lm as mt_mlx
+        from ..integrations.random_glimmer import mlx_model
+
+        self.mx = mx
+        if checkpoint:
+            from mlx_lm.utils import load_model
+
+            self.model = load_model(checkpoint)[0]
+        else:
+            self.model = mlx_model(geometry, seed=seed)
+        self.vocab = self.model.args.vocab_size
+        self.cache = mt_mlx.make_cache(self.model, arch=arch)
+        self.engine = self.cache[0].engine
+
+    def _logits(self, ids, cache) -> np.ndarray:
+        out = self.model(self.mx.array(ids)[None], cache=cache)
+        return np.array(out[0].astype(self.mx.float32))
+
+    def prompt(self, ids: np.ndarray) -> np.ndarray:
+        return self._logits(ids, self.cache)[-1]
+
+    def step(self, token: int) -> np.ndarray:
+        return self._logits(np.array([token]), self.cache)[-1]
+
+    def reference(self, ids: np.ndarray, first: int) -> np.ndarray:
+        return self._logits(ids, self.model.make_cache())[first:]
+
+
+RUNS = {"transformers": TransformersRun, "mlx": MlxRun}
+
+
+def run(args) -> dict:
+    from ..config import load_config
+    from ..tolerances import model_logit_rtol_f16_planes
+
+    _need_framework(args.framework)
+    if args.checkpoint and not (Path(args.checkpoint) / "config.json").is_file():
+        raise CommandError(f"--checkpoint {args.checkpoint}: no config.json there (a local checkpoint folder: "
+                           f"config.json and the weights; nothing is downloaded)")
+    geometry = load_config(args.config)
+    if args.layers:
+        if args.layers > geometry.n_layers:
+            raise CommandError(f"--layers {args.layers}: the config has {geometry.n_layers} layers")
+        geometry = geometry.with_overrides(n_layers=args.layers)
+    build0 = time.perf_counter()
+    r = RUNS[args.framework](geometry, args.checkpoint, args.arch, args.seed)
+    built = time.perf_counter() - build0
+    engine = r.engine
+    rng = np.random.default_rng(args.seed)
+    prompt = rng.integers(0, r.vocab, size=args.prompt_tokens, dtype=np.int64)
+    spent = [0.0]
+    _timed_attention(engine, spent)
+    t0 = time.perf_counter()
+    logits = [r.prompt(prompt)]
+    prompt_s = time.perf_counter() - t0
+    tokens, times, attention = [], [], []
+    for _ in range(args.tokens):
+        tokens.append(int(np.argmax(logits[-1])))
+        spent[0] = 0.0
+        t0 = time.perf_counter()
+        logits.append(r.step(tokens[-1]))
+        times.append(time.perf_counter() - t0)
+        attention.append(spent[0])
+    steady = times[1:] or times  # the first decoded token compiles the kernels on a cold cache
+    token_s, attention_s = float(np.median(steady)), float(np.median(attention[1:] or attention))
+    summary = {
+        "framework": r.name, "model": args.checkpoint or f"random-weight Glimmer ({geometry.source})",
+        "arch": engine.arch, "layers": engine.cfg.n_layers, "prompt_tokens": args.prompt_tokens,
+        "decoded_tokens": args.tokens, "build_s": built, "prompt_s": prompt_s, "first_token_ms": times[0] * 1e3,
+        "token_ms": token_s * 1e3, "tokens_per_s": 1.0 / token_s, "attention_ms": attention_s * 1e3,
+        "attention_share": attention_s / token_s, "routes": dict(engine.route_counts), "generated": tokens,
+        "planes": {kind: dict(vars(ps.state)) for kind, ps in engine.planes.items()},
+    }
+    if args.check:
+        ids = np.concatenate([prompt, np.asarray(tokens[:-1], np.int64)]) if tokens else prompt
+        ref = r.reference(ids, args.prompt_tokens - 1)
+        got = np.stack(logits[:len(ref)])
+        rel = np.abs(got - ref).max(axis=1) / np.abs(ref).max(axis=1)
+        bound = model_logit_rtol_f16_planes(engine.cfg.n_layers)
+        top2 = np.sort(ref, axis=1)[:, -2:]
+        decided = (top2[:, 1] - top2[:, 0]) > bound * np.abs(ref).max(axis=1)
+        same = np.argmax(got, axis=1) == np.argmax(ref, axis=1)
+        summary["agreement"] = {"steps": int(len(ref)), "worst_relative_logit_error": float(rel.max()),
+                                "bound": bound, "within_bound": bool((rel <= bound).all()),
+                                "greedy_same": int(same.sum()), "greedy_decided_steps": int(decided.sum()),
+                                "greedy_same_where_decided": int((same & decided).sum())}
+    return summary
+
+
+def report(s: dict) -> None:
+    print(f"{s['framework']}: {s['model']}, {s['layers']} layers, the engine on {s['arch']} as its decode attention")
+    print(f"prompt: {s['prompt_tokens']} tokens through the framework's own attention in {s['prompt_s']:.1f} s, "
+          f"its K/V into the engine's planes")
+    print(f"decode: {s['decoded_tokens']} tokens, {s['tokens_per_s']:.2f} tokens/s (median {s['token_ms']:.1f} ms a "
+          f"token; first {s['first_token_ms']:.0f} ms, kernels compiled on a cold cache)")
+    print(f"attention: {s['attention_ms']:.1f} ms a token on the engine, {100 * s['attention_share']:.0f}% of the token")
+    print("routes (layer-steps): " + ", ".join(f"{k} {v}" for k, v in sorted(s["routes"].items())))
+    print("planes: " + "; ".join(f"{k} len {p['len']} / capacity {p['capacity']}, origin ({p['origin_logical']}, "
+                                 f"{p['origin_physical']})" for k, p in s["planes"].items()))
+    a = s.get("agreement")
+    if a:
+        verdict = "within" if a["within_bound"] else "OUTSIDE"
+        print(f"agreement with {s['framework']}'s own attention over {a['steps']} steps: logits max |diff| / max |logit| "
+              f"{a['worst_relative_logit_error']:.2e} ({verdict} the f16 planes' bound {a['bound']:.2e}); greedy "
+              f"token the same at {a['greedy_same_where_decided']} of {a['greedy_decided_steps']} steps the bound "
+              f"decides ({a['greedy_same']} of {a['steps']} in all)")
+
+
+@guarded()
+def main(argv=None) -> int:
+    ap = ArgumentParser(prog="muser-model", description=__doc__.splitlines()[0])
+    ap.add_argument("--framework", choices=sorted(FRAMEWORKS), default="transformers")
+    ap.add_argument("--checkpoint", help="a local checkpoint folder (config.json and weights); default: random weights")
+    ap.add_argument("--config", default="glimmer.yaml", help="the random model's attention geometry (default glimmer.yaml)")
+    ap.add_argument("--layers", type=nonnegative_int, default=0,
+                    help="keep the first N layers of the config's pattern (default: all)")
+    ap.add_argument("--prompt-tokens", type=positive_int, default=256)
+    ap.add_argument("--tokens", type=positive_int, default=32, help="tokens to decode")
+    ap.add_argument("--arch", default="auto", help="auto | cpu | cuda | vulkan | metal")
+    ap.add_argument("--seed", type=nonnegative_int, default=0)
+    ap.add_argument("--no-check", dest="check", action="store_false",
+                    help="skip the agreement check with the framework's own attention")
+    ap.add_argument("--json", action="store_true", help="only the summary, as JSON, on stdout")
+    args = ap.parse_args(argv)
+    summary = run(args)
+    if args.json:
+        json.dump(summary, sys.stdout, indent=1)
+        print()
+    else:
+        report(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""muser-model, the user's path to the whole model: transformers' and mlx-lm's own Glimmer with the engine as its
+decode attention, as a user runs it (a subprocess): its JSON, its agreement with the framework's own attention,
+and one error line for what it cannot do."""
+
+import json
+
+import pytest
+
+from test_commands import assert_one_error_line, run_command
+
+
+@pytest.mark.parametrize("framework, module", [("transformers", "transformers"), ("mlx", "mlx_lm")])
+def test_the_model_runs_with_the_engine_as_its_attention(framework, module):
+    """Four layers (three sliding, one full) of the random-weight Glimmer, a 70-token prompt, 6 decoded tokens on
+    the CPU: every decoded token's attention ran on the engine's routes, the NoPE plane grew past its first 64 rows
+    while decoding, and the logits agree with the framework's own attention within the f16 planes' bound."""
+    pytest.importorskip(module)
+    out = run_command("model", "--framework", framework, "--layers", "4", "--prompt-tokens", "60", "--tokens", "6",
+                      "--arch", "cpu", "--json", timeout=600)
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout)  # only JSON on stdout
+    assert s["framework"] == framework and s["layers"] == 4 and len(s["generated"]) == 6
+    assert s["routes"] == {"splitk": 3 * 6, "interleaved": 6}
+    assert s["planes"]["nope"]["len"] == 66 and s["planes"]["nope"]["capacity"] == 128
+    a = s["agreement"]
+    assert a["steps"] == 6 and a["within_bound"], a
+    assert a["greedy_same_where_decided"] == a["greedy_decided_steps"], a
+    assert 0 < s["attention_share"] < 1 and s["tokens_per_s"] > 0
+
+
+def test_a_missing_checkpoint_is_one_error_line(tmp_path):
+    pytest.importorskip("transformers")
+    out = run_command("model", "--checkpoint", str(tmp_path / "absent"), "--arch", "cpu", timeout=300)
+    assert_one_error_line(out, "absent")
+
+
+def test_too_many_layers_is_one_error_line():
+    out = run_command("model", "--layers", "60", "--arch", "cpu", timeout=300)
+    assert_one_error_line(out, "--layers 60", "52 layers")
