@@ -22,11 +22,13 @@ the ones the engine's geometry says.  What it does depends on the forward, which
 A forward that raises between layers leaves its token open; the next call on the cache (the next forward's
 layer 0, ``crop``, ``save``...) abandons it first, so the engine is exactly as before that forward.
 
-Rollback (assisted decoding): ``crop(-r)`` is ``Engine.rewind(position - r)``.  A sliding-window ring keeps
-only its window unless the geometry gives it slack, so ``MuserCache(config, rollback=N)`` builds rings that
-roll back N tokens (``swa_ring_slack=N``); transformers drafts ``num_assistant_tokens`` a round (20 by
-default, and its "heuristic" schedule adds 2 after every fully accepted round), so N must cover the longest
-draft, or pass ``num_assistant_tokens_schedule="constant"`` to the assistant's generation config.
+Rollback (assisted decoding): ``crop(-r)`` is ``Engine.rewind(position - r)``.  A full sliding-window ring
+holds its window and nothing older, so it takes back one token (the next token at that position needs only
+what the ring holds) and no more, unless the geometry gives it slack: ``MuserCache(config, rollback=N)``
+builds rings with N rows of slack (``swa_ring_slack=N``) that take back N + 1.  A verify round takes back at
+most the draft's length, ``num_assistant_tokens`` (20 by default; the "heuristic" schedule adds 2 after every
+fully accepted round), so N + 1 must cover the longest draft: pass ``num_assistant_tokens_schedule="constant"``
+to the assistant's generation config to bound it.
 
 One sequence: batch size 1 (a larger batch, beam search, num_return_sequences > 1 are refused).  Torch
 tensors on the CPU go to the engine through numpy (no copy for float32 contiguous ones); on arch="cuda" a
@@ -154,8 +156,8 @@ class MuserCache(Cache):
     layers, growing planes for the full ones), so a model's decode attention runs on the engine.
 
     ``config``: the model's config (multimodal or text; anything ``mt.geometry_from_model_config`` reads).
-    ``arch``: the engine's backend (auto | cpu | cuda | vulkan | metal).  ``rollback``: how many tokens
-    ``crop`` can take back once the rings are full (the rings' slack; assisted decoding needs its longest
+    ``arch``: the engine's backend (auto | cpu | cuda | vulkan | metal).  ``rollback``: the rings' slack,
+    so ``crop`` can take back rollback + 1 tokens once they are full (assisted decoding needs its longest
     draft).  ``max_context``: the longest sequence (default the config's max_position_embeddings).
     ``engine``: an existing Engine to wrap instead of a new one (its geometry must be the config's).  Other
     keywords go to ``mt.Engine`` (pinned=, capacity=, ...).  The engine is ``cache.engine``.
@@ -196,13 +198,19 @@ class MuserCache(Cache):
 
     @property
     def rollback(self) -> int:
-        """Tokens crop() can take back once the rings are full (the rings' slack beyond the window)."""
+        """The rings' slack beyond the window: crop() takes back rollback + 1 tokens once they are full."""
         return self.engine.cfg.swa_ring_slack
 
     @property
+    def max_crop(self) -> int:
+        """The most tokens crop() is sure to take back (a full ring: its slack, and the one token a ring can always
+        give back; growing planes alone: all of them)."""
+        return self.rollback + 1 if self.engine.cfg.swa_layers else self.engine.position
+
+    @property
     def is_croppable(self) -> bool:
-        # a ring with no slack cannot roll back once it is full; the growing planes always can
-        return self.rollback > 0 or not self.engine.cfg.swa_layers
+        # crop(-r) up to max_crop puts the cache back as it was; past it, it is refused with the cache unchanged
+        return True
 
     @property
     def batch_size(self) -> int:
@@ -386,7 +394,7 @@ class MuserCache(Cache):
             self.engine.rewind(position - r)
         except EngineError as e:
             raise EngineError(f"MuserCache.crop({tokens_to_remove}) at position {position}: {e} (MuserCache("
-                              f"rollback={self.rollback}) rolls back {self.rollback} token(s) once the rings are "
+                              f"rollback={self.rollback}) takes back {self.rollback + 1} token(s) once the rings are "
                               f"full: build it with a rollback that covers the longest draft)") from e
         self.rewinds += 1
         self.tokens_rewound += r
@@ -396,11 +404,12 @@ class MuserCache(Cache):
         decoding: the draft length).  The engine keeps what it keeps: refused here, before any forward,
         where the rings cannot roll back that far."""
         k = int(recurrent_states_to_keep or 0)
-        if k > self.rollback and self.engine.cfg.swa_layers:
+        if k > self.rollback + 1 and self.engine.cfg.swa_layers:
             raise EngineError(f"MuserCache: generate will roll back up to {k} token(s) a round (assisted decoding's "
-                              f"draft length) but the rings roll back {self.rollback}: build MuserCache(config, "
-                              f"rollback={k}) or more (the assistant's 'heuristic' schedule lengthens drafts by 2 "
-                              f"after each fully accepted round; num_assistant_tokens_schedule='constant' keeps it)")
+                              f"draft length) but the rings take back {self.rollback + 1} (rollback={self.rollback}): "
+                              f"build MuserCache(config, rollback={k - 1}) or more (the assistant's 'heuristic' "
+                              f"schedule lengthens drafts by 2 after each fully accepted round; "
+                              f"num_assistant_tokens_schedule='constant' keeps them as they are)")
 
     def reset(self) -> None:
         """An empty cache: a fresh engine of the same geometry and options (a ring cannot rewind to 0)."""

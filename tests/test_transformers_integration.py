@@ -1,0 +1,425 @@
+"""The engine as the decode attention of transformers' own Muse Glimmer (issue 47 items 4 and 5).
+
+The model is ``MuseGlimmerForConditionalGeneration`` built by tests/hf_glimmer.py: the real attention geometry
+(32:2 heads, head_dim 128, window 2,048, three sliding + one full NoPE layer, QK-norm, gate), the width cut,
+random weights from a fixed seed, float32 on the CPU, nothing downloaded.  The run: a prompt of PROMPT tokens
+then NEW decoded tokens, so the sliding rings wrap (position 2,048) and the NoPE planes grow during decode.
+
+Every reference run is built once per module (fixtures), for 8 layers in the default run and 52 marked slow:
+
+* ``reference``: transformers' own greedy ``generate`` (DynamicCache, sdpa), with its logits;
+* ``reference_f16``: transformers' own attention teacher-forced on those tokens over K/V rounded to f16 as the
+  engine's planes hold them (hf_glimmer.F16PlanesCache);
+* ``teacher``: MuserCache + "muser_ti" teacher-forced on the reference's tokens (a snapshot saved mid-run);
+* ``engine_greedy``: ``generate`` with a MuserCache, free-running;
+* ``assisted``: ``generate(assistant_model=draft)`` with a MuserCache whose rings roll back.
+
+The checks: (a) the teacher-forced logits within tolerances.model_logit_rtol_f16_planes(L) of the reference's
+at every step (the planes' f16 rounding), within model_logit_rtol_f32_routes(L) of transformers' attention over
+the same f16 values, and the same greedy token wherever the reference's top two differ by more than the f16
+bound; (b) free-running greedy gives the reference's tokens (a near-tie, a top-two gap within the bound, may
+go either way, and the runs part there); (c) a snapshot resumed continues bit for bit; (d) assisted decoding,
+its rejections reaching Engine.rewind, gives greedy's tokens; (e) an exception or Ctrl-C mid-forward leaves
+the engine as before (the next step has the uninterrupted run's bits), batch 2 is refused, register() is
+idempotent, a wrong scaling or window is refused naming it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from transformers import AttentionInterface, DynamicCache  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+
+from hf_glimmer import F16PlanesCache, build_draft, build_glimmer, prompt_ids  # noqa: E402
+from muser_ti import EngineError, tolerances  # noqa: E402
+from muser_ti.config import NOPE, SWA  # noqa: E402
+from muser_ti.integrations import transformers as mt_hf  # noqa: E402
+
+PROMPT = 2040  # the ring (window 2,048, no slack) wraps 8 tokens into decode; the NoPE planes grow at 2,048
+NEW = 72  # decoded tokens (>= 64)
+SNAP = 40  # the teacher-forced run saves a snapshot before its SNAP-th decode forward
+DRAFT_TOKENS = 4  # assisted decoding: tokens the draft proposes a round (constant schedule)
+TIMINGS: dict[str, float] = {}  # fixture wall times, printed at the module's end (pytest -s)
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_grad_and_timings():
+    mt_hf.register()
+    with torch.no_grad():
+        yield
+    if TIMINGS:
+        print("\ntransformers integration, wall times: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMINGS.items()))
+
+
+class timed:
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        TIMINGS[self.name] = time.perf_counter() - self.t0
+
+
+@pytest.fixture(scope="module", params=[8, pytest.param(52, marks=pytest.mark.slow)], ids=lambda n: f"{n}layers")
+def model(request):
+    with timed(f"build {request.param} layers"):
+        m = build_glimmer(request.param)
+    return m
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return prompt_ids(PROMPT)
+
+
+def _layers_of(model) -> int:
+    return model.config.text_config.num_hidden_layers
+
+
+def _attn(model, name):
+    model.set_attn_implementation(name)
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(model, ids):
+    """transformers' own greedy generation (DynamicCache, sdpa): tokens [NEW] and logits [NEW, vocab]."""
+    with timed(f"reference generate ({_layers_of(model)} layers)"):
+        out = _attn(model, "sdpa").generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                                            return_dict_in_generate=True)
+    return out.sequences[0, PROMPT:], torch.cat(out.logits).float()
+
+
+@pytest.fixture(scope="module")
+def reference_f16(model, ids, reference):
+    """transformers' own attention over K/V rounded to f16 as the planes hold them, teacher-forced on the
+    reference's tokens: logits [NEW, vocab]."""
+    tokens, _ = reference
+    cache = F16PlanesCache(config=model.config)
+    _attn(model, "sdpa")
+    with timed(f"reference over f16 K/V ({_layers_of(model)} layers)"):
+        logits = [model(input_ids=ids, cache=cache, logits_to_keep=1).logits[0, -1].float()]
+        logits += _decode(model, cache, tokens[:-1])
+    return torch.stack(logits)
+
+
+def _cache(model, **kw):
+    return mt_hf.MuserCache(model.config, arch="cpu", **kw)
+
+
+def _decode(model, cache, tokens):
+    """Teacher-forced single-token forwards: the logits after each of ``tokens``."""
+    return [model(input_ids=t.view(1, 1), cache=cache).logits[0, -1].float() for t in tokens]
+
+
+@pytest.fixture(scope="module")
+def teacher(model, ids, reference, tmp_path_factory):
+    """MuserCache + "muser_ti" on the reference's tokens: the logits of every step, the planes' states after
+    the prompt and at the end, and a snapshot taken before decode forward SNAP."""
+    tokens, _ = reference
+    path = tmp_path_factory.mktemp("hf") / "mid.safetensors"
+    cache = _cache(model)
+    _attn(model, "muser_ti")
+    with timed(f"engine teacher-forced ({_layers_of(model)} layers)"):
+        logits = [model(input_ids=ids, cache=cache, logits_to_keep=1).logits[0, -1].float()]
+        after_prompt = {kind: ps.state for kind, ps in cache.engine.planes.items()}
+        logits += _decode(model, cache, tokens[:SNAP - 1])
+        cache.save(path)
+        logits += _decode(model, cache, tokens[SNAP - 1:-1])
+    return dict(logits=torch.stack(logits), path=path, after_prompt=after_prompt, cache=cache,
+                at_end={kind: ps.state for kind, ps in cache.engine.planes.items()})
+
+
+@pytest.fixture(scope="module")
+def engine_greedy(model, ids):
+    cache = _cache(model)
+    with timed(f"engine generate ({_layers_of(model)} layers)"):
+        out = _attn(model, "muser_ti").generate(ids, max_new_tokens=NEW, do_sample=False, cache=cache,
+                                                output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, PROMPT:], torch.cat(out.logits).float(), cache
+
+
+def _assisted(model, ids, draft, name):
+    """transformers' assisted generation: ``draft`` proposes DRAFT_TOKENS a round, the model verifies them in
+    one multi-token forward on the engine (Engine.token(n)) and crop() rewinds the rejected ones."""
+    draft.generation_config.num_assistant_tokens = DRAFT_TOKENS
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0  # draft all DRAFT_TOKENS, however unsure
+    cache = _cache(model, rollback=DRAFT_TOKENS - 1)  # a full ring takes back its slack + 1
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda mod, args, kw: forwards.append(kw["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    try:
+        with timed(f"engine assisted generate, {name} ({_layers_of(model)} layers)"):
+            out = _attn(model, "muser_ti").generate(ids, max_new_tokens=NEW, do_sample=False, cache=cache,
+                                                    assistant_model=draft, output_logits=True,
+                                                    return_dict_in_generate=True)
+    finally:
+        hook.remove()
+    return out.sequences[0, PROMPT:], torch.cat(out.logits).float(), cache, forwards
+
+
+@pytest.fixture(scope="module")
+def assisted(model, ids):
+    """A tiny random Glimmer drafts (hf_glimmer.build_draft): it is almost never right, so rounds rewind."""
+    return _assisted(model, ids, build_draft(), "tiny random draft")
+
+
+@pytest.fixture(scope="module")
+def assisted_exact(model, ids):
+    """The model's own weights, in float32 with transformers' own cache and sdpa, draft: every draft is accepted
+    unless the planes' f16 rounding flips a near-tie, so the verify passes' every row is used."""
+    draft = build_glimmer(_layers_of(model))
+    return _assisted(model, ids, draft, "exact draft")
+
+
+def _resumed(model, teacher):
+    """A MuserCache resumed from the teacher-forced run's snapshot (before decode forward SNAP)."""
+    return mt_hf.MuserCache.from_snapshot(model.config, teacher["path"], arch="cpu")
+
+
+# ---- (a) teacher-forced logits against transformers' own attention -------------------------------------
+def _relative(got, ref):
+    """max |got - ref| / max |ref| per step."""
+    return (got - ref).abs().amax(dim=-1) / ref.abs().amax(dim=-1)
+
+
+def _gap(logits):
+    top2 = logits.topk(2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
+
+
+def test_teacher_forced_logits_within_the_f16_bound(model, reference, teacher):
+    tokens, ref = reference
+    got = teacher["logits"]
+    assert got.shape == ref.shape
+    # step 0 is the prompt's forward: transformers' own sdpa in both runs, bit for bit
+    assert torch.equal(got[0], ref[0])
+    rtol = tolerances.model_logit_rtol_f16_planes(_layers_of(model))
+    rel = _relative(got, ref)
+    worst = int(rel.argmax())
+    assert float(rel.max()) <= rtol, f"step {worst}: {float(rel[worst]):.4g} > model_logit_rtol_f16_planes {rtol:.4g}"
+    decided = _gap(ref) > rtol * ref.abs().amax(dim=-1)
+    assert int(decided.sum()) >= NEW // 3, "too few steps with a clear greedy choice: widen the head"
+    assert torch.equal(got.argmax(-1)[decided], ref.argmax(-1)[decided])
+    assert torch.equal(ref.argmax(-1), tokens)
+    print(f"\nteacher-forced against f32: max relative {float(rel.max()):.3g} (bound {rtol:.3g}), "
+          f"{int(decided.sum())}/{NEW} steps decided")
+
+
+def test_teacher_forced_logits_match_attention_over_the_same_f16_values(model, reference_f16, teacher):
+    got, want = teacher["logits"], reference_f16
+    rtol = tolerances.model_logit_rtol_f32_routes(_layers_of(model))
+    rel = _relative(got, want)
+    worst = int(rel.argmax())
+    assert float(rel.max()) <= rtol, f"step {worst}: {float(rel[worst]):.4g} > model_logit_rtol_f32_routes {rtol:.4g}"
+    print(f"\nteacher-forced against f16 K/V in transformers' attention: max relative {float(rel.max()):.3g} "
+          f"(bound {rtol:.3g})")
+
+
+def test_decode_wraps_the_ring_and_grows_the_nope_plane(teacher):
+    before, after = teacher["after_prompt"], teacher["at_end"]
+    assert before[SWA].len == PROMPT and before[SWA].origin_physical == 0
+    assert after[SWA].len == after[SWA].capacity == 2048 and after[SWA].origin_physical == (PROMPT + NEW - 1) % 2048
+    assert after[NOPE].len == PROMPT + NEW - 1 and after[NOPE].capacity > before[NOPE].capacity
+    routes = teacher["cache"].engine.route_counts
+    assert set(routes) == {"splitk", "interleaved"}, routes
+
+
+# ---- (b) free-running greedy generation ---------------------------------------------------------------
+def _same_tokens_until_a_tie(got, want, want_logits, rtol):
+    """``got`` equals ``want`` (a greedy run whose logits are ``want_logits``), except that from a step whose
+    top-two gap in ``want_logits`` is within ``rtol`` x max|logit| (a near-tie the bound cannot decide) the runs
+    may part.  Returns the number of steps compared."""
+    differ = (got != want).nonzero().flatten()
+    if not len(differ):
+        return len(want)
+    i = int(differ[0])
+    gap, allowed = float(_gap(want_logits[i:i + 1])[0]), rtol * float(want_logits[i].abs().max())
+    assert gap <= allowed, f"the runs part at step {i} where the top-two gap {gap:.4g} exceeds the bound {allowed:.4g}"
+    return i
+
+
+def test_free_running_greedy_matches_transformers(model, reference, engine_greedy):
+    tokens, _, cache = engine_greedy
+    same = _same_tokens_until_a_tie(tokens, reference[0], reference[1],
+                                    tolerances.model_logit_rtol_f16_planes(_layers_of(model)))
+    if _layers_of(model) == 8:
+        assert same == NEW  # no near-tie in this run: every token
+    assert cache.get_seq_length() == PROMPT + NEW - 1  # the last token is generated, not yet attended
+    print(f"\nfree-running greedy: the first {same} of {NEW} tokens are transformers' own")
+
+
+# ---- (c) snapshot mid-generation, resume, continue ----------------------------------------------------
+def test_snapshot_resume_continues_bit_for_bit(model, reference, teacher):
+    tokens, _ = reference
+    cache = _resumed(model, teacher)
+    assert cache.get_seq_length() == PROMPT + SNAP - 1
+    got = torch.stack(_decode(_attn(model, "muser_ti"), cache, tokens[SNAP - 1:-1]))
+    assert torch.equal(got, teacher["logits"][SNAP:])
+
+
+# ---- (d) assisted (speculative) decoding --------------------------------------------------------------
+def test_assisted_decoding_equals_greedy_with_rewinds(model, engine_greedy, assisted):
+    """Every draft rejected: each round rewinds the draft's tokens; the verify pass's first row decides."""
+    tokens, _, cache, forwards = assisted
+    greedy, greedy_logits, _ = engine_greedy
+    # the same planes, the same f16 values: what differs is f32 arithmetic (a verify pass's n-row matmuls)
+    same = _same_tokens_until_a_tie(tokens, greedy, greedy_logits,
+                                    tolerances.model_logit_rtol_f32_routes(_layers_of(model)))
+    assert same == NEW or _layers_of(model) != 8
+    verify = [n for n in forwards[1:] if n > 1]
+    # the prompt with the first draft, then verify passes of the last token and a draft (shorter at the end)
+    assert forwards[0] == PROMPT + DRAFT_TOKENS and max(verify) == DRAFT_TOKENS + 1, forwards
+    assert cache.rewinds > 0 and cache.tokens_rewound >= cache.rewinds  # rejections reached Engine.rewind
+    print(f"\nassisted, tiny random draft: {len(forwards)} target forwards for {NEW} tokens ({len(verify)} verify "
+          f"passes of {sorted(set(verify))} tokens), {cache.rewinds} rewinds of {cache.tokens_rewound} tokens in all; "
+          f"{same} tokens compared")
+
+
+def test_assisted_decoding_with_accepted_drafts_equals_greedy(model, engine_greedy, assisted_exact):
+    """Drafts accepted: the verify passes' later rows pick tokens, and rounds crop nothing."""
+    tokens, _, cache, forwards = assisted_exact
+    greedy, greedy_logits, _ = engine_greedy
+    same = _same_tokens_until_a_tie(tokens, greedy, greedy_logits,
+                                    tolerances.model_logit_rtol_f32_routes(_layers_of(model)))
+    assert same == NEW or _layers_of(model) != 8
+    assert len(forwards) <= NEW // DRAFT_TOKENS + 2, forwards  # DRAFT_TOKENS + 1 tokens a forward
+    print(f"\nassisted, exact draft: {len(forwards)} target forwards for {NEW} tokens, {cache.rewinds} rewinds of "
+          f"{cache.tokens_rewound} tokens; {same} tokens compared")
+
+
+def test_assisted_decoding_refuses_a_draft_longer_than_the_rollback(model):
+    cache = _cache(model, rollback=2)
+    with pytest.raises(EngineError, match=r"roll back up to 4 token\(s\).*take back 3 .*rollback=3\)"):
+        cache.activate_past_recording(recurrent_states_to_keep=4)
+    cache.activate_past_recording(recurrent_states_to_keep=3)
+
+
+# ---- (e) atomic forwards, refusals --------------------------------------------------------------------
+def _layers(model):
+    return model.model.language_model.layers
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_exception_mid_forward_leaves_the_engine_as_before(model, reference, teacher, exc):
+    tokens, _ = reference
+    cache = _resumed(model, teacher)
+    eng = cache.engine
+    position, routes = eng.position, dict(eng.route_counts)
+    layer = 2 * len(_layers(model)) // 3
+
+    def boom(*args):
+        raise exc("injected")
+
+    hook = _layers(model)[layer].mlp.register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(exc, match="injected"):
+            _attn(model, "muser_ti")(input_ids=tokens[SNAP - 1].view(1, 1), cache=cache)
+    finally:
+        hook.remove()
+    assert eng.open_token is not None and eng.open_token.next_layer == layer + 1  # left open by the raise
+    assert cache.get_seq_length() == position
+    # the next forward abandons it first: the step has the uninterrupted run's bits
+    got = _decode(model, cache, tokens[SNAP - 1:SNAP + 1])
+    assert torch.equal(torch.stack(got), teacher["logits"][SNAP:SNAP + 2])
+    assert eng.position == position + 2
+    assert sum(eng.route_counts.values()) == sum(routes.values()) + 2 * len(_layers(model))
+
+
+def test_crop_abandons_a_token_left_open(model, reference, teacher):
+    tokens, _ = reference
+    cache = _resumed(model, teacher)
+    hook = _layers(model)[1].mlp.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
+    try:
+        with pytest.raises(RuntimeError):
+            _attn(model, "muser_ti")(input_ids=tokens[SNAP - 1].view(1, 1), cache=cache)
+    finally:
+        hook.remove()
+    cache.crop(0)
+    assert cache.engine.open_token is None and cache.get_seq_length() == PROMPT + SNAP - 1
+
+
+@pytest.mark.parametrize("attr, layer_of, value, match", [
+    ("scaling", lambda L: 2, 0.1, r"scaling=0\.1 but the engine applies attention_scale=0\.0883"),
+    ("sliding_window", lambda L: 1, 1024, r"sliding_window=1024 .* sliding-window layer \(window 2048\)"),
+    ("sliding_window", lambda L: 3, 2048, r"sliding_window=2048 .* full-context layer \(window None\)"),
+])
+def test_wrong_scaling_or_window_is_refused_naming_it(model, reference, teacher, attr, layer_of, value, match):
+    tokens, _ = reference
+    cache = _resumed(model, teacher)
+    attn = _layers(model)[layer_of(len(_layers(model)))].self_attn
+    saved = getattr(attn, attr)
+    setattr(attn, attr, value)
+    try:
+        with pytest.raises(EngineError, match=match):
+            _attn(model, "muser_ti")(input_ids=tokens[SNAP - 1].view(1, 1), cache=cache)
+    finally:
+        setattr(attn, attr, saved)
+    assert cache.engine.open_token is None  # abandoned on the spot
+    got = _decode(model, cache, tokens[SNAP - 1:SNAP])
+    assert torch.equal(got[0], teacher["logits"][SNAP])
+
+
+def test_crop_rewinds_and_refuses_past_the_rings(model, reference, teacher):
+    tokens, _ = reference
+    cache = _resumed(model, teacher)  # rollback 0, rings full
+    position = cache.get_seq_length()
+    with pytest.raises(EngineError, match=r"rollback=0\) takes back 1 token"):
+        cache.crop(-2)
+    with pytest.raises(ValueError, match="positive value"):
+        cache.crop(3)
+    assert cache.get_seq_length() == position
+    cache.crop(-1)  # a full ring gives one token back
+    assert cache.get_seq_length() == position - 1 and (cache.rewinds, cache.tokens_rewound) == (1, 1)
+    got = _decode(_attn(model, "muser_ti"), cache, tokens[SNAP - 2:SNAP])
+    assert torch.equal(torch.stack(got), teacher["logits"][SNAP - 1:SNAP + 1])
+
+
+def test_batch_of_two_is_refused(model):
+    cache = _cache(model)
+    with pytest.raises(EngineError, match="batch size 2, expected 1"):
+        _attn(model, "muser_ti")(input_ids=prompt_ids(6).expand(2, 6), cache=cache)
+    assert cache.get_seq_length() == 0 and cache.engine.open_token is None
+    with pytest.raises(EngineError, match="batch size 2"):
+        model.generate(prompt_ids(6), max_new_tokens=2, num_return_sequences=2, do_sample=True, cache=_cache(model))
+    with pytest.raises(EngineError, match="beam search"):
+        cache.reorder_cache(torch.tensor([0]))
+
+
+def test_padding_is_refused(model):
+    cache = _cache(model)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    with pytest.raises(EngineError, match="padding"):
+        _attn(model, "muser_ti")(input_ids=prompt_ids(6), attention_mask=mask, cache=cache)
+    assert cache.get_seq_length() == 0 and cache.engine.open_token is None
+
+
+def test_a_model_without_muser_attention_is_refused(model):
+    cache = _cache(model)
+    with pytest.raises(EngineError, match="did not run through attn_implementation='muser_ti'"):
+        _attn(model, "sdpa")(input_ids=prompt_ids(6), cache=cache)
+    assert cache.get_seq_length() == 0 and cache.engine.open_token is None
+
+
+def test_without_a_muser_cache_muser_ti_is_sdpa(model):
+    ids6 = prompt_ids(6)
+    want = _attn(model, "sdpa")(input_ids=ids6, cache=DynamicCache(config=model.config)).logits
+    got = _attn(model, "muser_ti")(input_ids=ids6, cache=DynamicCache(config=model.config)).logits
+    assert torch.equal(got, want)
+
+
+def test_register_is_idempotent():
+    assert mt_hf.register() == mt_hf.register() == "muser_ti"
+    assert AttentionInterface._global_mapping["muser_ti"] is mt_hf.muser_attention
+    assert AttentionMaskInterface._global_mapping["muser_ti"] is sdpa_mask
