@@ -58,7 +58,9 @@ def _timed_attention(engine, spent: list) -> None:
 class TransformersRun:
     name = "transformers"
 
-    def __init__(self, geometry, checkpoint, arch: str, seed: int):
+    def __init__(self, geometry, checkpoint, arch: str, seed: int, device: str = "cpu"):
+        import inspect
+
         import torch
 
         from ..integrations import transformers as mt_hf
@@ -73,6 +75,10 @@ class TransformersRun:
                                                                              dtype=torch.float32).eval()
         else:
             self.model = transformers_model(geometry, seed=seed)
+        self.device = device
+        self.model.to(device)
+        # transformers 5.2x renames the forward's past_key_values to cache (the old name warns until 5.40)
+        self.cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.vocab = self.model.config.text_config.vocab_size
         self.cache = mt_hf.MuserCache(self.model.config, arch=arch)
         self.engine = self.cache.engine
@@ -80,29 +86,30 @@ class TransformersRun:
     def prompt(self, ids: np.ndarray) -> np.ndarray:
         self.model.set_attn_implementation("muser_ti")
         with self.torch.no_grad():
-            out = self.model(input_ids=self.torch.from_numpy(ids)[None], cache=self.cache, logits_to_keep=1)
-        return out.logits[0, -1].float().numpy()
+            out = self.model(input_ids=self.torch.from_numpy(ids)[None].to(self.device), logits_to_keep=1,
+                             **{self.cache_kw: self.cache})
+        return out.logits[0, -1].float().cpu().numpy()
 
     def step(self, token: int) -> np.ndarray:
         with self.torch.no_grad():
-            out = self.model(input_ids=self.torch.tensor([[token]]), cache=self.cache)
-        return out.logits[0, -1].float().numpy()
+            out = self.model(input_ids=self.torch.tensor([[token]], device=self.device), **{self.cache_kw: self.cache})
+        return out.logits[0, -1].float().cpu().numpy()
 
     def reference(self, ids: np.ndarray, first: int) -> np.ndarray:
         """The framework's own cache and attention (sdpa, f32 K/V) over ``ids``: logits from position first."""
         self.model.set_attn_implementation("sdpa")
         try:
             with self.torch.no_grad():
-                out = self.model(input_ids=self.torch.from_numpy(ids)[None])
+                out = self.model(input_ids=self.torch.from_numpy(ids)[None].to(self.device))
         finally:
             self.model.set_attn_implementation("muser_ti")
-        return out.logits[0, first:].float().numpy()
+        return out.logits[0, first:].float().cpu().numpy()
 
 
 class MlxRun:
     name = "mlx"
 
-    def __init__(self, geometry, checkpoint, arch: str, seed: int):
+    def __init__(self, geometry, checkpoint, arch: str, seed: int, device: str = "cpu"):
         import mlx.core as mx
 
         from ..integrations import mlx_lm as mt_mlx
@@ -150,7 +157,10 @@ def run(args) -> dict:
             raise CommandError(f"--layers {args.layers}: the config has {geometry.n_layers} layers")
         geometry = geometry.with_overrides(n_layers=args.layers)
     build0 = time.perf_counter()
-    r = RUNS[args.framework](geometry, args.checkpoint, args.arch, args.seed)
+    if args.device != "cpu" and args.framework != "transformers":
+        raise CommandError(f"--device {args.device}: only transformers' model moves to a device here (mlx runs where "
+                           f"mlx runs: Metal on a Mac, the CPU elsewhere)")
+    r = RUNS[args.framework](geometry, args.checkpoint, args.arch, args.seed, args.device)
     built = time.perf_counter() - build0
     engine = r.engine
     rng = np.random.default_rng(args.seed)
@@ -172,7 +182,7 @@ def run(args) -> dict:
     token_s, attention_s = float(np.median(steady)), float(np.median(attention[1:] or attention))
     summary = {
         "framework": r.name, "model": args.checkpoint or f"random-weight Glimmer ({geometry.source})",
-        "arch": engine.arch, "layers": engine.cfg.n_layers, "prompt_tokens": args.prompt_tokens,
+        "arch": engine.arch, "device": args.device, "layers": engine.cfg.n_layers, "prompt_tokens": args.prompt_tokens,
         "decoded_tokens": args.tokens, "build_s": built, "prompt_s": prompt_s, "first_token_ms": times[0] * 1e3,
         "token_ms": token_s * 1e3, "tokens_per_s": 1.0 / token_s, "attention_ms": attention_s * 1e3,
         "attention_share": attention_s / token_s, "routes": dict(engine.route_counts), "generated": tokens,
@@ -224,6 +234,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=positive_int, default=256)
     ap.add_argument("--tokens", type=positive_int, default=32, help="tokens to decode")
     ap.add_argument("--arch", default="auto", help="auto | cpu | cuda | vulkan | metal")
+    ap.add_argument("--device", default="cpu", help="where transformers' model runs: cpu | cuda (with --arch cuda the "
+                    "engine reads its CUDA tensors in place)")
     ap.add_argument("--seed", type=nonnegative_int, default=0)
     ap.add_argument("--no-check", dest="check", action="store_false",
                     help="skip the agreement check with the framework's own attention")

@@ -169,11 +169,14 @@ spread)  # the first process compiles (a cold CUDA step build takes over 150 s);
       --json "$OUT/spread-$round.json"
   done;;
 
-model)
-  timeout -s INT -k 45 ${TEST_TIMEOUT:-420} python3 -m pytest -v -rfE -p no:cacheprovider --arch cuda --arch vulkan \
-    ${MODEL_TESTS:-tests/test_token.py tests/test_transformers_integration.py} > "$OUT/model-tests.log" 2>&1
-  echo "== model tests rc=$?"; grep -cE " PASSED" "$OUT/model-tests.log" | sed 's/$/ passed/'
-  grep -E "FAILED|ERROR" "$OUT/model-tests.log" | head -30; tail -3 "$OUT/model-tests.log"
+model)  # MODEL_PART: tests | bench | all (a call holds one part within its 10 minutes)
+  if [ "${MODEL_PART:-all}" != bench ]; then
+    timeout -s INT -k 45 ${TEST_TIMEOUT:-420} python3 -m pytest -v -rfE -p no:cacheprovider --arch cuda --arch vulkan \
+      ${MODEL_TESTS:-tests/test_token.py} > "$OUT/model-tests.log" 2>&1
+    echo "== model tests rc=$?"; grep -cE " PASSED" "$OUT/model-tests.log" | sed 's/$/ passed/'
+    grep -E "FAILED|ERROR" "$OUT/model-tests.log" | head -30; tail -3 "$OUT/model-tests.log"
+  fi
+  [ "${MODEL_PART:-all}" = tests ] && exit 0
   for depth in ${MODEL_DEPTHS:-2048 32768}; do
     timeout 150 python3 -m muser_ti.bench.in_model --peer torch --arch cuda --depth $depth --tokens 20 --json \
       > "$OUT/in_model_cuda_$depth.json" 2> "$OUT/in_model_cuda_$depth.err"; echo "== in_model cuda $depth rc=$?"
@@ -181,7 +184,14 @@ model)
   done
   timeout 150 python3 -m muser_ti.bench.per_layer --arch cuda --depth 64 --depth 2048 --tokens 20 --json \
     > "$OUT/per_layer_cuda.json" 2> "$OUT/per_layer_cuda.err"; echo "== per_layer cuda rc=$?"
-  grep -E '"(depth|step_ms|token_by_layer_ms|overhead_us_per_layer)"' "$OUT/per_layer_cuda.json" | tr -d '\n '; echo;;
+  grep -E '"(depth|step_ms|token_by_layer_ms|overhead_us_per_layer)"' "$OUT/per_layer_cuda.json" | tr -d '\n '; echo
+  for run in "cuda cuda" "vulkan cpu"; do  # transformers' Glimmer on the engine: CUDA tensors in place; host tensors
+    set -- $run
+    timeout 200 python3 -m muser_ti.cli.model --layers ${MODEL_LAYERS:-8} --prompt-tokens ${MODEL_PROMPT:-2040} \
+      --tokens ${MODEL_TOKENS:-64} --arch $1 --device $2 --json > "$OUT/model_$1.json" 2> "$OUT/model_$1.err"
+    echo "== muser-model arch $1 device $2 rc=$?"; tail -3 "$OUT/model_$1.err"
+    python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print({k: s[k] for k in ('tokens_per_s','token_ms','attention_ms','attention_share','routes','agreement')})" "$OUT/model_$1.json"
+  done;;
 
 *) echo "run.sh: unknown mode $what (bench, tests, profile, ab OLD NEW, tune, spread, model)"; exit 2;;
 esac
