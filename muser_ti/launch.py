@@ -232,7 +232,7 @@ class Launcher:
         return vec_layers, vec_out
 
     # ---- one layer of a token (token.py) ---------------------------------------------------------
-    def attend_layer(self, plan, layer: int, route_sizes, q1, k1, v1, out1) -> None:
+    def attend_layer(self, plan, layer: int, route_sizes, q1, k1, v1, out1, scan_stamp: int | None = None) -> None:
         """One layer of a planned token (Engine._plan_tokens: position, states, routes, mix) on arrays the
         kernels read: q1/out1 [1, heads, d], k1/v1 [1, kv heads, d].  The layer takes its route's kernels with
         the split step() gives a launch over all ``route_sizes[route]`` layers on that route, so its output has
@@ -242,7 +242,8 @@ class Launcher:
         kind = SWA if route in (ladder.SPLITK, ladder.LLAMA_VEC_SWA) else NOPE
         st, cache = new_states[kind], self.cache
         grp = cache.token_group(layer)
-        dispatches = []
+        # device inputs: the token scan first (kernels/stores.build_token_scan), its flags read when the token commits
+        dispatches = [] if scan_stamp is None else [(self.scan, (q1, k1, v1, self.flags, scan_stamp))]
         if route == ladder.SPLITK:
             dispatches.append((cache.stores[SWA].store_token, (k1, v1, cache.k[SWA], cache.v[SWA], grp.layers_dev,
                                                                grp.slots_dev, 1, st.physical(p))))
@@ -295,6 +296,18 @@ class Launcher:
             self.transfer.upload(dev, a)
         self.attend_layer(plan, layer, route_sizes, q_dev, k_dev, v_dev, out_dev)
         out1[...] = self.transfer.download(out_dev, out1.shape)
+
+    def attend_layer_cuda(self, plan, layer: int, route_sizes, q1, k1, v1, out1, scan_stamp: int) -> bool:
+        """attend_layer on torch CUDA tensors through the engine's one-layer arrays: device-to-device copies in
+        and out around the route's compiled graph (a graph binds ndarrays only; a Python launch with torch
+        arguments costs ~80 us a kernel).  False where the driver cannot copy (then launch on the tensors)."""
+        q_dev, k_dev, v_dev, out_dev = self.layer_device_arrays()
+        t = self.transfer
+        for dev, a in ((q_dev, q1), (k_dev, k1), (v_dev, v1)):
+            if not t.device_copy(t.address(dev), a.data_ptr(), a.numel() * 4):
+                return False
+        self.attend_layer(plan, layer, route_sizes, q_dev, k_dev, v_dev, out_dev, scan_stamp)
+        return t.device_copy(out1.data_ptr(), t.address(out_dev), out1.numel() * 4)
 
     def layer_host_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """[layers, heads, d] host q and out for a pinned route's one layer (it indexes them by layer)."""

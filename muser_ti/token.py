@@ -29,6 +29,7 @@ from . import arrays, inputs, interrupts, ladder
 from .config import F16_MAX, NOPE, SWA
 from .errors import EngineError
 from .kernels import halves
+from .kernels.stores import REFUSAL_RING
 
 
 def _checked(where: str, name: str, a: np.ndarray, shape: tuple[int, ...], axes: tuple[str, ...]) -> np.ndarray:
@@ -142,6 +143,7 @@ class Token(_Open):
         self.route_sizes = [Counter(routes) for _, _, routes, _ in self.plans]
         self._old_arrays: dict[str, tuple] = {}
         self._saved: dict[str, tuple] = {}
+        self._scans: dict[int, int] = {}  # the device scans of this token's layers: stamp -> layer
         with interrupts.held_back():
             try:
                 self._keep_what_it_overwrites()
@@ -199,12 +201,14 @@ class Token(_Open):
         if all(arrays.device_resident(a, arch) for a in (q, k, v)) and self._device_ok(q):
             q3, k3, v3 = (self._device_shape(where, name, a, shapes[name])
                           for name, a in (("q", q), ("k", k), ("v", v)))
-            self._scan(where, q3, k3, v3, axes)
             out3 = arrays.device_out(q3, shapes["q"])
+            torch_in = arrays.framework_of(q3) == "torch"
             for i, plan in enumerate(self.plans):
                 # one token: the arrays whole (Taichi ndarrays have no views); n tokens: torch's row views
                 row = (q3, k3, v3, out3) if self.n == 1 else (q3[i:i + 1], k3[i:i + 1], v3[i:i + 1], out3[i:i + 1])
-                launcher.attend_layer(plan, layer, self.route_sizes[i], *row)
+                stamp = self._scan_stamp(layer)
+                if not (torch_in and launcher.attend_layer_cuda(plan, layer, self.route_sizes[i], *row, stamp)):
+                    launcher.attend_layer(plan, layer, self.route_sizes[i], *row, scan_stamp=stamp)
             self.next_layer += 1
             return out3 if lead else out3.reshape(shapes["q"][1:])
         host = {}
@@ -233,16 +237,26 @@ class Token(_Open):
             return a.reshape(shape)
         raise EngineError(f"{where} {name}: shape {tuple(a.shape)}, expected {shape}")
 
-    def _scan(self, where, q3, k3, v3, axes) -> None:
-        """Device inputs: the token scan's flags (one device wait); where one is set, the host check on a copy
-        names the first bad value."""
+    def _scan_stamp(self, layer: int) -> int:
+        """Device inputs are scanned on the device (kernels/stores.build_token_scan: the first dispatch of the
+        layer's) and nothing waits for it here: the flags are read once, when the token commits (one device wait a
+        token, not one a layer), and a flagged layer's token is abandoned then, which undoes every write it made."""
         launcher = self.engine.launcher
+        if launcher.unlooked >= REFUSAL_RING:  # the device keeps REFUSAL_RING scans' flags: look before it wraps
+            self._look()
         launcher.scans += 1
-        launcher.scan(q3, k3, v3, launcher.flags, launcher.scans)
-        if launcher.flagged():
-            for name, a in (("q", q3), ("k", k3), ("v", v3)):
-                _checked(where, name, arrays.to_host(f"{where} {name}", a), tuple(a.shape), axes[name])
-            raise EngineError(f"{where}: the device scan flagged the token but its host copy passes the checks")
+        self._scans[launcher.scans] = layer
+        return launcher.scans
+
+    def _look(self) -> None:
+        """Read the device scans' flags (one wait); a refused layer abandons the token and raises naming it."""
+        refused = self.engine.launcher.look()
+        if refused is not None:
+            stamp, what = refused
+            self.abandon()
+            raise EngineError(f"attend layer {self._scans.get(stamp, '?')}: the device scan refused its arrays "
+                              f"({'; '.join(what)}); the token at position {self.start} was abandoned and the engine "
+                              f"is as before it")
 
     def commit(self) -> None:
         """Commit the token: every layer has attended.  A with-block commits at its exit."""
@@ -252,6 +266,8 @@ class Token(_Open):
         if missing is not None:
             raise EngineError(missing + "; attend the rest, or abandon() it")
         engine = self.engine
+        if self._scans:  # device inputs: what their scans found, read now (one wait)
+            self._look()
         engine._serial += 1
         serial, final = engine._serial, self.plans[-1][1]
         steps = [(list(routes), mix) for _, _, routes, mix in self.plans]

@@ -30,6 +30,8 @@ class _CudaDriver:
         self.htod.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
         self.dtoh = lib.cuMemcpyDtoH_v2
         self.dtoh.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+        self.dtod = lib.cuMemcpyDtoD_v2
+        self.dtod.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t]
         self.current = lib.cuCtxGetCurrent
         self.current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
 
@@ -98,6 +100,16 @@ class Transfer:
         if addr and self._driver.htod(addr, a.ctypes.data, a.nbytes) == 0:
             return
         _copy_kernel()(a, dev)
+
+    def device_copy(self, dst: int, src: int, nbytes: int) -> bool:
+        """dst <- src, two device addresses (a torch CUDA tensor's, an ndarray's: ``address``), on the legacy default
+        stream that Taichi's kernels and torch's default stream share; False where there is no driver to do it."""
+        return bool(self._driver is not None and self._driver.has_context() and self._driver.dtod(dst, src, nbytes) == 0)
+
+    @staticmethod
+    def address(dev) -> int:
+        """The device address of a Taichi ndarray's allocation (CUDA)."""
+        return int(ti.lang.impl.get_runtime().prog.get_ndarray_data_ptr_as_int(dev.arr))
 
     def download(self, dev, shape: tuple[int, ...]) -> np.ndarray:
         """A new host array (float32 or int32, as dev) holding dev."""

@@ -166,12 +166,36 @@ def test_bad_arrays_at_a_layer_are_refused_naming_it(arch, bad):
     assert_same_state(state(eng), state(twin))
 
 
+@pytest.mark.parametrize("framework", ["taichi", "torch-cuda"])
+def test_bad_device_arrays_abandon_the_token_naming_the_layer(arch, framework):
+    """Arrays the kernels read in place (Taichi ndarrays on a GPU arch, torch CUDA tensors on CUDA) are scanned on the
+    device, and the flags read when the token commits: the token is abandoned then, naming the layer, and the engine
+    is its twin's.  Elsewhere they go through the host check, which names the layer at once."""
+    if framework == "torch-cuda":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device for torch here")
+    eng, twin = twins(arch, GEOMETRIES["gqa4-d64"])
+    s = Session(eng, seed=4)
+    s.prefill(20, also=twin)
+    q, k, v = s.token()
+    q = q.copy()
+    q[2, 5, 7] = np.nan
+    with pytest.raises(EngineError, match="attend layer 2.*non-finite value"):
+        with eng.token() as t:
+            for layer in range(eng.cfg.n_layers):
+                t.attend(layer, *(as_kind(x[layer][None], framework + " float32") for x in (q, k, v)))
+    assert_same_state(state(eng), state(twin))
+
+
 def array_kinds():
     kinds = ["numpy float32", "numpy float16", "numpy float64", "taichi"]
     try:
         import torch  # noqa: F401
 
         kinds += ["torch float32", "torch bfloat16"]
+        if torch.cuda.is_available():  # read in place by the kernels on arch="cuda"; copied to the host elsewhere
+            kinds += ["torch-cuda float32", "torch-cuda bfloat16"]
     except ImportError:
         pass
     try:
@@ -187,10 +211,11 @@ def as_kind(a: np.ndarray, kind: str):
     framework, dtype = kind.split()[0], kind.split()[-1]
     if framework == "numpy":
         return a.astype(dtype)
-    if framework == "torch":
+    if framework in ("torch", "torch-cuda"):
         import torch
 
-        return torch.from_numpy(a).to(getattr(torch, dtype))
+        t = torch.from_numpy(a).to(getattr(torch, dtype))
+        return t.cuda() if framework == "torch-cuda" else t
     if framework == "mlx":
         import mlx.core as mx
 
@@ -231,7 +256,10 @@ def test_what_models_hold_goes_in_and_comes_back_in_its_kind(arch, kind):
                 arrays = [x[layer][None] if lead else x[layer] for x in (q, k, v)]
                 out = t.attend(layer, *(as_kind(a, kind) for a in arrays))
                 assert type(out).__module__.split(".")[0] == as_kind(q[:1], kind).__class__.__module__.split(".")[0]
-                host = out.to_numpy() if framework == "taichi" else np.asarray(out.float() if framework == "torch" else out)
+                if framework == "torch-cuda":
+                    assert out.is_cuda
+                    out = out.cpu()
+                host = out.to_numpy() if framework == "taichi" else np.asarray(out.float() if "torch" in framework else out)
                 assert host.dtype == np.float32 and host.shape == arrays[0].shape
                 np.testing.assert_array_equal(host.reshape(expected[layer].shape), expected[layer])
 
