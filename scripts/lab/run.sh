@@ -182,7 +182,7 @@ model)  # MODEL_PART: tests | bench | all (a call holds one part within its 10 m
       > "$OUT/in_model_cuda_$depth.json" 2> "$OUT/in_model_cuda_$depth.err"; echo "== in_model cuda $depth rc=$?"
     grep -E '"(depth|engine_ms|peer_ms|ratio)"' "$OUT/in_model_cuda_$depth.json" | tr -d '\n '; echo
   done
-  timeout 150 python3 -m muser_ti.bench.per_layer --arch cuda --depth 64 --depth 2048 --tokens 20 --json \
+  timeout 240 python3 -m muser_ti.bench.per_layer --arch cuda --depth 64 --depth 2048 --tokens 20 --json \
     > "$OUT/per_layer_cuda.json" 2> "$OUT/per_layer_cuda.err"; echo "== per_layer cuda rc=$?"
   grep -E '"(depth|step_ms|token_by_layer_ms|overhead_us_per_layer)"' "$OUT/per_layer_cuda.json" | tr -d '\n '; echo
   for run in "cuda cuda" "vulkan cpu"; do  # transformers' Glimmer on the engine: CUDA tensors in place; host tensors
