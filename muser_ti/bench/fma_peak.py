@@ -1,17 +1,19 @@
-"""This CPU's f32 fused-multiply-add peak, measured by a kernel of our own: the FLOP floor's denominator.
+"""This CPU's f32 peak, measured two ways: what a Taichi kernel reaches, and what the CPU does (C, full width).
 
-    python -m muser_ti.bench.fma_peak          # prints {"gflop_s": ..., "threads": ..., ...} as JSON
+    python -m muser_ti.bench.fma_peak          # the Taichi kernel: prints {"gflop_s": ..., "threads": ...} as JSON
 
-It runs in a process of its own: it starts Taichi on the CPU with fast_math on, which is what lets LLVM
-emit ``vfmadd`` and vectorise a reduction (the engine's CPU runtime keeps fast_math off, backend.py says
-why), and a figure is only a floor if nothing else runs beside it.  Each thread sums SCALES products of a
-row in L1 with a constant each (``acc[k] += x[i] * c[k]``): LLVM's loop vectorizer makes the SCALES sums
-vector accumulators, so a step is one load of x and SCALES fused multiply-adds, bound by FMA issue.
+The Taichi kernel runs in a process of its own: it starts Taichi on the CPU with fast_math on, which lets LLVM's
+loop vectorizer reorder the sums (the engine's CPU runtime keeps fast_math off, backend.py says why), and a figure
+is only a peak if nothing else runs beside it.  Each thread sums SCALES products of a row in L1 with a constant
+each (``acc[k] += x[i] * c[k]``): the vectorizer makes the SCALES sums vector accumulators, so a step is one load
+of x and SCALES multiply-adds.  The code that runs has no FMA: Taichi 1.7.4's JIT compiles with default
+TargetOptions and fuses nothing, so each is a ``vmulps`` and a ``vaddps`` (on ymm on an Ice Lake Xeon; its
+printed listing shows ``vfmadd``, which never runs: docs/lab/taichi-cpu-target.md).
 (Register-resident chains ``acc = acc * a + b`` were tried first: LLVM 15 unrolls and spills them,
 11-16 GFLOP/s here.)
 
 That is the peak **Taichi reaches** on this CPU, not the CPU's: Taichi 1.7.4's LLVM plans the loop for the vector
-width its optimiser's target machine allows (docs/PERF.md, "The Taichi CPU-name limit").  The CPU's own peak is
+width its optimiser's target machine allows and fuses no multiply-add (docs/PERF.md, "The Taichi CPU-name limit").  The CPU's own peak is
 measured by ``c_peak``: a small C kernel built at bench time with the system's C compiler (``-O2 -mavx2 -mfma``
 for 256-bit vectors, ``-O2 -mavx512f`` for 512-bit), twelve independent FMA chains in registers per thread, one
 thread per core (pthreads), the best of its repeats.  The FLOP floor is quoted at both:
