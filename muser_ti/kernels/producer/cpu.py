@@ -3,10 +3,13 @@
 Q, the block's weights and the output accumulator live in local arrays with the G sibling heads
 contiguous (qT[d, h], P[r, h], OT[d, h]), so the static head loops become 8-wide SIMD (LLVM's SLP
 vectorizer) with no reduction over d: Taichi runs with fast_math off, so LLVM may not reorder one.
-Known deficit: with fast_math off LLVM fuses no multiply-add, and Taichi's 32-bit index arithmetic keeps
-LLVM from seeing a row's words side by side, so K and V load and convert one half at a time: of the
-score loop's 396 instructions per 4 words x 4 rows, 128 are multiplies and adds (the value loop: 455, 128),
-and a step takes 2.8-3.8x the FMA floor (docs/PERF.md).  With
+Known deficit: Taichi 1.7.4's CPU JIT fuses no multiply-add (fast_math on or off: it compiles with default
+TargetOptions, docs/lab/taichi-cpu-target.md), and Taichi's 32-bit index arithmetic keeps LLVM from seeing a
+row's words side by side, so K and V load and convert one half at a time.  In the code that runs on an Ice
+Lake Xeon (``scripts/lab/asm_loops.py --jit``) the score loop is 83 instructions per word x 4 rows, 32 of
+them ymm multiplies and adds, 8 scalar ``vcvtph2ps`` and 8 broadcasts (the value loop: 84, 32): two FP ports
+and the shuffle port bound it near 10-13 FLOP a cycle and core, against 16 for Taichi's mul + add and 64
+for the CPU's 512-bit FMA (docs/PERF.md, "CPU").  With
 fast_math on, LLVM's loop vectorizer takes the dimension loops instead, with gathers, and every variant
 tried ran slower (docs/PERF.md, kernel history).  The large local matrices make a cold compile take tens
 of seconds per kernel; Taichi's offline cache keeps it after that.
