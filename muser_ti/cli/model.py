@@ -181,7 +181,7 @@ def run(args) -> dict:
     steady = times[1:] or times  # the first decoded token compiles the kernels on a cold cache
     token_s, attention_s = float(np.median(steady)), float(np.median(attention[1:] or attention))
     summary = {
-        "framework": r.name, "model": args.checkpoint or f"random-weight Glimmer ({geometry.source})",
+        "framework": r.name, "model": args.checkpoint or f"random-weight Glimmer on {Path(str(args.config)).name}'s attention geometry",
         "arch": engine.arch, "device": args.device, "layers": engine.cfg.n_layers, "prompt_tokens": args.prompt_tokens,
         "decoded_tokens": args.tokens, "build_s": built, "prompt_s": prompt_s, "first_token_ms": times[0] * 1e3,
         "token_ms": token_s * 1e3, "tokens_per_s": 1.0 / token_s, "attention_ms": attention_s * 1e3,
@@ -217,7 +217,8 @@ def report(s: dict) -> None:
     a = s.get("agreement")
     if a:
         verdict = "within" if a["within_bound"] else "OUTSIDE"
-        print(f"agreement with {s['framework']}'s own attention over {a['steps']} steps: logits max |diff| / max |logit| "
+        owner = s["framework"] + ("'" if s["framework"].endswith("s") else "'s")
+        print(f"agreement with {owner} own attention over {a['steps']} steps: logits max |diff| / max |logit| "
               f"{a['worst_relative_logit_error']:.2e} ({verdict} the f16 planes' bound {a['bound']:.2e}); greedy "
               f"token the same at {a['greedy_same_where_decided']} of {a['greedy_decided_steps']} steps the bound "
               f"decides ({a['greedy_same']} of {a['steps']} in all)")
