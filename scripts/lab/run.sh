@@ -18,7 +18,8 @@
 #   tune             the GPU producer's tiles in one process against the float64 reference (scripts/lab/tune_gpu.py
 #                    tiles; TUNE_VARIANTS), with ptxas's registers and spills per producer
 #   spread           CUDA steps in SPREAD_ROUNDS processes: the host's speed moves between processes
-#   model            a model's calls: the per-layer token's tests and transformers' Glimmer on the engine on CUDA
+#   model            a model's calls (MODEL_PART: tests, bench, profile or all): the per-layer token's tests and
+#                    transformers' Glimmer on the engine on CUDA
 #                    (torch CUDA tensors, zero-copy) and Vulkan (host tensors); the host's cost per layer against
 #                    step(); the engine against torch's SDPA as a model calls it (MODEL_DEPTHS, MODEL_TESTS)
 #
@@ -169,14 +170,21 @@ spread)  # the first process compiles (a cold CUDA step build takes over 150 s);
       --json "$OUT/spread-$round.json"
   done;;
 
-model)  # MODEL_PART: tests | bench | all (a call holds one part within its 10 minutes)
-  if [ "${MODEL_PART:-all}" != bench ]; then
+model)  # MODEL_PART: tests | bench | profile | all (a call holds one part within its 10 minutes)
+  if [ "${MODEL_PART:-all}" = tests ] || [ "${MODEL_PART:-all}" = all ]; then
     timeout -s INT -k 45 ${TEST_TIMEOUT:-420} python3 -m pytest -v -rfE -p no:cacheprovider --arch cuda --arch vulkan \
       ${MODEL_TESTS:-tests/test_token.py} > "$OUT/model-tests.log" 2>&1
     echo "== model tests rc=$?"; grep -cE " PASSED" "$OUT/model-tests.log" | sed 's/$/ passed/'
     grep -E "FAILED|ERROR" "$OUT/model-tests.log" | head -30; tail -3 "$OUT/model-tests.log"
   fi
   [ "${MODEL_PART:-all}" = tests ] && exit 0
+  if [ "${MODEL_PART:-all}" = profile ]; then  # where a per-layer token's host time goes (scripts/lab/layer_profile.py)
+    for depth in ${MODEL_DEPTHS:-2048}; do
+      timeout 200 python3 scripts/lab/layer_profile.py --depth $depth > "$OUT/layer_profile_$depth.log" 2>&1
+      echo "== layer_profile $depth rc=$?"; head -8 "$OUT/layer_profile_$depth.log"
+    done
+    exit 0
+  fi
   for depth in ${MODEL_DEPTHS:-2048 32768}; do
     timeout 150 python3 -m muser_ti.bench.in_model --peer torch --arch cuda --depth $depth --tokens 20 --json \
       > "$OUT/in_model_cuda_$depth.json" 2> "$OUT/in_model_cuda_$depth.err"; echo "== in_model cuda $depth rc=$?"
