@@ -23,8 +23,9 @@ from .config import Geometry
 from .errors import EngineError, PinnedUnavailable, PlaneError
 from .config import NOPE
 from .kv_cache import LAYOUT_OF, KVCache
-from .kernels.stores import REFUSAL_RING
-from .launch import InFlight, Launcher
+from .kernels.token_scan import REFUSAL_RING
+from .device_checks import InFlight
+from .launch import Launcher
 from .pinned import AUTO_REASON, mirror as plane_mirror, pinned_status
 from .pinned.vec import VecRung
 from .planes import PlaneState, visible_span
@@ -186,25 +187,25 @@ class Engine:
         self.cache.check_alive()
         self._check_none_open()
         inputs.device_token(self.cfg, {"q": q, "k": k, "v": v, "out": out})
-        launcher = self.launcher
-        if self.device_checks == "deferred" and launcher.unlooked >= REFUSAL_RING:
+        launcher, checks = self.launcher, self.launcher.checks
+        if self.device_checks == "deferred" and checks.unlooked >= REFUSAL_RING:
             self.sync()  # the device keeps every token's flags for REFUSAL_RING scans
         try:
             plan = self._plan()
         except EngineError:
             self.sync()
-            launcher.scan_device_token(q, k, v)  # a bad token is named before a full cache, as step() names it
+            checks.scan_token(q, k, v)  # a bad token is named before a full cache, as step() names it
             raise
         p, new_states, routes, mix = plan
         if launcher.one_dispatch_fits(new_states, routes, bool(self._forced)):
             if self.device_checks == "deferred":
-                self._in_flight.add(launcher.scans + 1, p, self.cache.states(), self.routes, mix)
+                self._in_flight.add(checks.scans + 1, p, self.cache.states(), self.routes, mix)
                 self._commit(plan, None, None, None, device=(q, k, v, out), gate="deferred")
             else:  # the scan is the step's first task and gates its writes; the flags are read after it
                 self._commit(plan, None, None, None, device=(q, k, v, out), gate="token")
             return out
         self.sync()
-        launcher.scan_device_token(q, k, v)
+        checks.scan_token(q, k, v)
         if self.cache.mirror is not None or any(r in ladder.PINNED_ROUTES for r in routes):
             launcher.transfer.upload(out, self._commit(plan, *launcher.download_token(q, k, v)))
         else:
@@ -217,7 +218,7 @@ class Engine:
         checks): raise for the first refused one, the engine rolled back to just before it."""
         self.cache.check_alive()
         if self._in_flight:
-            self._in_flight.settle(self.launcher.look(), self.cache, self._routes)
+            self._in_flight.settle(self.launcher.checks.look(), self.cache, self._routes)
 
     def rewind(self, position: int) -> None:
         """Drop every token at or after ``position`` (speculative-decoding rollback).
@@ -345,19 +346,19 @@ class Engine:
         Atomic (_atomically): an interrupt or any exception leaves the token written and counted, or neither."""
         p, new_states, routes, mix = plan
         self._serial += 1
-        serial, launcher = self._serial, self.launcher
+        serial, launcher, checks = self._serial, self.launcher, self.launcher.checks
         result = []
 
         def commit():
             result[:] = [self._attend(plan, q, k, v, device, gate)]
-            if gate == "token" and launcher.flagged():
+            if gate == "token" and checks.flagged():
                 return  # the device refused it and wrote nothing: the engine stays as it was (raised below)
             self.cache.commit(new_states, p + 1)
             self._routes.record(routes, mix, serial)
 
         _atomically(commit)
-        if gate == "token" and launcher.flagged():
-            launcher.refuse(*device[:3])
+        if gate == "token" and checks.flagged():
+            checks.refuse(*device[:3])
         out, vec_layers, vec_out = result[0]
         if device is not None:
             return None

@@ -113,7 +113,7 @@ def step_token(cfg: Geometry, q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 def device_token(cfg: Geometry, arrays: dict) -> None:
     """step_device's q, k, v, out: Taichi float32 ndarrays of the token's shapes (values are scanned on the
-    device: kernels/stores.build_token_scan)."""
+    device: kernels/token_scan.build_token_scan)."""
     import taichi as ti
 
     shapes = token_shapes(cfg)

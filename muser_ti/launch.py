@@ -14,25 +14,21 @@ import taichi as ti
 
 from . import backend, inputs, ladder
 from .config import NOPE, SWA, Geometry
+from .device_checks import DeviceChecks
 from .errors import EngineError
 from .kernels.common import MAX_WORKGROUPS, on_gpu
 from .kernels.interleaved import build_interleaved
-from .kernels.splitk import (build_splitk, cpu_split_geometry, gpu_items_cap, gpu_split_geometry,
-                             gpu_target_workgroups, gpu_workgroups_per_pair)
+from .kernels.split_geometry import (cpu_split_geometry, gpu_items_cap, gpu_split_geometry, gpu_target_workgroups,
+                                     gpu_workgroups_per_pair)
+from .kernels.splitk import build_splitk
 from .kernels.one_dispatch import ONE_DISPATCH_ARCHS, build_step_kernel
 from .kernels.reducer import build_reduce
-from .kernels.stores import (FLAG_CELLS, NEVER_STAMPED, OPEN_GATE, REFUSAL_RING, TOKEN_FLAGS, build_token_scan,
-                             build_unpack)
+from .kernels.stores import build_unpack
+from .kernels.token_scan import FLAG_CELLS, NEVER_STAMPED, OPEN_GATE
 from .kv_cache import KVCache
 from .planes import PlaneState, visible_span, window_of
 from .replay import GraphReplay
 from .transfer import Transfer
-
-
-REFUSAL_KINDS = ("a non-finite value in q", "a non-finite value in k", "a non-finite value in v",
-                 "a k value outside the f16 plane's range (|x| <= 65504)",
-                 "a v value outside the f16 plane's range (|x| <= 65504)",
-                 "a q value outside the f16 range (|x| <= 65504)")  # the scan's flags, in order
 
 
 class Launcher:
@@ -59,19 +55,13 @@ class Launcher:
         self.out = ti.ndarray(ti.f32, self.shapes["out"])
         self.q, self.k_cur, self.v_cur = (ti.ndarray(ti.f32, self.shapes[n]) for n in ("q", "k", "v"))
         self.q_dev = self.q  # the queries the producers read this step (step_device's own array, or self.q)
-        self.scan = build_token_scan(H, KV, D)
-        # the scan's flags (a summary and a ring of every token's, stores.build_token_scan); the one-dispatch
-        # step keeps its layer table after them (kernels/one_dispatch.py)
-        self.flags = ti.ndarray(ti.i32, (FLAG_CELLS + L,))
-        self.flags.fill(0)
-        self.scans = 0  # the stamp of the last scan
-        self._verdict = (0, False)  # (stamp, flagged) of the last scan the host looked at
-        self.base = 1  # the first stamp the host has not looked at (deferred checks)
         self.transfer = Transfer()  # per-token copies: the CUDA driver's memcpy where it can (transfer.py)
         # Where host copies go through Taichi (Vulkan, Metal), each synchronises the device; there q, k and v
         # go up packed, as the host-array argument of the kernel that unpacks them, which needs no wait
         self.unpack = build_unpack(H, KV, D) if gpu and self.transfer.path == "taichi" else None
         self.graphs = GraphReplay()  # GPU: compiled step graphs by dispatch structure
+        # the token scan and its flags (device_checks.py); the one-dispatch step's layer table follows the flags
+        self.checks = DeviceChecks(cfg, self.transfer, self.graphs, gpu, extra_cells=L)
         self.recorded = None  # the step's dispatches while a GPU step is being recorded
         self.launches = 0  # kernel launches of the last step (does not grow with the layer count)
         self.step_kernel = None  # CUDA, Vulkan: a step on the default routes is one dispatch
@@ -82,7 +72,7 @@ class Launcher:
                                                  window_of(cfg, NOPE), window_of(cfg, SWA), self.target)
             table = np.zeros(FLAG_CELLS + L, np.int32)  # its layer table, after the flags: NoPE, then SWA layers
             table[FLAG_CELLS:] = nope + swa
-            self.flags.from_numpy(table)
+            self.checks.flags.from_numpy(table)
             # and partials for the most workgroups that split can give, made once
             self.step_partials = [self.partials_for(kind, len(layers), gpu_workgroups_per_pair(len(layers) * KV,
                                                                                                self.target))
@@ -91,7 +81,7 @@ class Launcher:
     # ---- split geometry and scratch ------------------------------------------------------------
     def split_geometry(self, visible: int, n_group: int) -> tuple[int, int]:
         """(workgroups, simdgroups) of a producer launch: the chapter's block ownership, with as many
-        workgroups as fill the machine: on the CPU fewer than the chapter's, on a GPU more (kernels/splitk.py
+        workgroups as fill the machine: on the CPU fewer than the chapter's, on a GPU more (kernels/split_geometry.py
         says why)."""
         if self.gpu:
             return gpu_split_geometry(visible, n_group * self.cfg.n_kv_heads, self.target)
@@ -160,38 +150,14 @@ class Launcher:
         if gate == "open":
             stamp, base = NEVER_STAMPED, OPEN_GATE
         else:
-            self.scans += 1
-            stamp = self.scans
-            base = stamp if gate == "token" else self.base
+            stamp = self.checks.next_stamp()
+            base = stamp if gate == "token" else self.checks.base
         n, s = new_states[NOPE], new_states[SWA]  # capacities: the planes' own (no plane grows in this step)
         part_nope, part_swa = self.step_partials
         c = self.cache
-        self.launch(self.step_kernel, self.q_dev, k_dev, v_dev, out_dev, self.flags, stamp, base, p,
+        self.launch(self.step_kernel, self.q_dev, k_dev, v_dev, out_dev, self.checks.flags, stamp, base, p,
                     c.k[NOPE], c.v[NOPE], part_nope, n.origin_logical, n.origin_physical,
                     c.k[SWA], c.v[SWA], part_swa, s.origin_logical, s.origin_physical)
-
-    @property
-    def unlooked(self) -> int:
-        """Scans since the host last looked at the flags (deferred checks keep at most REFUSAL_RING)."""
-        return self.scans - self.base + 1
-
-    def look(self) -> tuple[int, list[str]] | None:
-        """Read the flags once (one device wait): the first token refused since the last look, as (its stamp,
-        what was wrong with it), or None; either way every scan so far is then looked at."""
-        start, end = self.base, self.scans
-        if end < start:
-            return None
-        flags = self.transfer.download(self.flags, self.flags.shape)
-        self.base = end + 1
-        if flags[:TOKEN_FLAGS].max() < start:
-            return None
-        for stamp in range(start, end + 1):
-            cells = flags[TOKEN_FLAGS * (1 + stamp % REFUSAL_RING):][:TOKEN_FLAGS]
-            kinds = [REFUSAL_KINDS[i] for i in range(TOKEN_FLAGS) if cells[i] == stamp]
-            if kinds:
-                return stamp, kinds
-        raise AssertionError(f"a scan since stamp {start} flagged a token, but the ring of the last "
-                             f"{REFUSAL_RING} scans names none: more scans than the ring holds went unlooked")
 
     def routes(self, p: int, new_states: dict[str, PlaneState], routes, q, k_dev, v_dev, out, out_dev):
         """Each route's dispatches (the graph route); returns (layers on a pinned route, their host output)."""
@@ -242,8 +208,9 @@ class Launcher:
         kind = SWA if route in (ladder.SPLITK, ladder.LLAMA_VEC_SWA) else NOPE
         st, cache = new_states[kind], self.cache
         grp = cache.token_group(layer)
-        # device inputs: the token scan first (kernels/stores.build_token_scan), its flags read when the token commits
-        dispatches = [] if scan_stamp is None else [(self.scan, (q1, k1, v1, self.flags, scan_stamp))]
+        # device inputs: the token scan first (kernels/token_scan.py), its flags read when the token commits
+        checks = self.checks
+        dispatches = [] if scan_stamp is None else [(checks.scan, (q1, k1, v1, checks.flags, scan_stamp))]
         if route == ladder.SPLITK:
             dispatches.append((cache.stores[SWA].store_token, (k1, v1, cache.k[SWA], cache.v[SWA], grp.layers_dev,
                                                                grp.slots_dev, 1, st.physical(p))))
@@ -357,30 +324,6 @@ class Launcher:
     def download_token(self, q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return tuple(self.transfer.download(a, self.shapes[name]) for name, a in (("q", q), ("k", k), ("v", v)))
 
-    def scan_device_token(self, q, k, v) -> None:
-        """Refuse a device token step() would refuse: flags from one kernel, then, only when one is set,
-        the host check on a copy, which names the first bad value."""
-        self.scans += 1
-        if self.gpu:  # through a one-dispatch graph: Taichi's Python launch path costs more
-            self.graphs.run([(self.scan, (q, k, v, self.flags, self.scans))], (q, k, v))
-        else:
-            self.scan(q, k, v, self.flags, self.scans)
-        if self.flagged():
-            self.refuse(q, k, v)
-
-    def flagged(self) -> bool:
-        """Did the last scan (stamp self.scans) flag its token?  One device wait per scan, however often asked."""
-        if self._verdict[0] != self.scans:
-            flags = self.transfer.download(self.flags, self.flags.shape)[:TOKEN_FLAGS]
-            self._verdict = (self.scans, bool((flags == self.scans).any()))
-            self.base = self.scans + 1  # every scan so far is looked at
-        return self._verdict[1]
-
-    def refuse(self, q, k, v) -> None:
-        """Raise for a token the scan flagged, naming its first bad value (the host check on a copy)."""
-        inputs.step_token(self.cfg, *self.download_token(q, k, v))
-        raise EngineError("step_device: the device scan flagged the token but its host copy passes the checks")  # a bug
-
 
 def host_view_f32(arr) -> np.ndarray:
     """A zero-copy float32 view of a Taichi array in host memory (the CPU backend), valid while ``arr`` lives."""
@@ -392,34 +335,4 @@ def host_view_f32(arr) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.float32).reshape(shape)
 
 
-class InFlight:
-    """Deferred checks: the step_device tokens the host has counted but not yet seen the device accept, with
-    what undoes each (the position, the plane states and the routes before it, its route mix)."""
-
-    def __init__(self):
-        self._steps: list[tuple] = []
-
-    def __bool__(self) -> bool:
-        return bool(self._steps)
-
-    def add(self, stamp: int, position: int, states: dict, routes_before: list, mix: tuple) -> None:
-        self._steps.append((stamp, position, states, routes_before, mix))
-
-    def settle(self, refused, cache: KVCache, routes) -> None:
-        """Forget the steps the device accepted; where it refused one (``refused`` = Launcher.look()'s (stamp,
-        what was wrong)), undo it and every step after it, none of which the device wrote, and raise."""
-        steps, self._steps = self._steps, []
-        if refused is None:
-            return
-        stamp, what = refused
-        undone = [step for step in steps if step[0] >= stamp]
-        for _, _, _, routes_before, mix in reversed(undone):
-            routes.undo(mix, routes_before)
-        _, position, states, _, _ = undone[0]
-        cache.commit(states, position)
-        raise EngineError(f"step_device: the token at position {position} was refused by the device scan "
-                          f"({'; '.join(what)}); it and the {len(undone) - 1} token(s) after it were not written, and "
-                          f"the engine is back at position {position}")
-
-
-__all__ = ["InFlight", "Launcher"]
+__all__ = ["Launcher"]

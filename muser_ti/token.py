@@ -25,11 +25,11 @@ from collections import Counter
 
 import numpy as np
 
-from . import arrays, inputs, interrupts, ladder
-from .config import F16_MAX, NOPE, SWA
+from . import arrays, inputs, interrupts
+from .config import F16_MAX
 from .errors import EngineError
 from .kernels import halves
-from .kernels.stores import REFUSAL_RING
+from .kernels.token_scan import REFUSAL_RING
 
 
 def _checked(where: str, name: str, a: np.ndarray, shape: tuple[int, ...], axes: tuple[str, ...]) -> np.ndarray:
@@ -238,19 +238,19 @@ class Token(_Open):
         raise EngineError(f"{where} {name}: shape {tuple(a.shape)}, expected {shape}")
 
     def _scan_stamp(self, layer: int) -> int:
-        """Device inputs are scanned on the device (kernels/stores.build_token_scan: the first dispatch of the
+        """Device inputs are scanned on the device (kernels/token_scan.build_token_scan: the first dispatch of the
         layer's) and nothing waits for it here: the flags are read once, when the token commits (one device wait a
         token, not one a layer), and a flagged layer's token is abandoned then, which undoes every write it made."""
-        launcher = self.engine.launcher
-        if launcher.unlooked >= REFUSAL_RING:  # the device keeps REFUSAL_RING scans' flags: look before it wraps
+        checks = self.engine.launcher.checks
+        if checks.unlooked >= REFUSAL_RING:  # the device keeps REFUSAL_RING scans' flags: look before it wraps
             self._look()
-        launcher.scans += 1
-        self._scans[launcher.scans] = layer
-        return launcher.scans
+        stamp = checks.next_stamp()
+        self._scans[stamp] = layer
+        return stamp
 
     def _look(self) -> None:
         """Read the device scans' flags (one wait); a refused layer abandons the token and raises naming it."""
-        refused = self.engine.launcher.look()
+        refused = self.engine.launcher.checks.look()
         if refused is not None:
             stamp, what = refused
             self.abandon()

@@ -7,7 +7,7 @@ from muser_ti.kernels.producer import tile_plan
 from muser_ti.kernels.producer.block_tile import GPU_PRODUCER_THREADS, gpu_tile_plan
 from muser_ti.kernels.producer.gpu_common import SHARED_BUDGET_BYTES, tile_choice, udiv, umod
 from muser_ti.kernels.producer.warp_tile import CHUNK_HALVES, WARPS, warp_tile_plan
-from muser_ti.kernels.splitk import (GPU_MAX_WORKGROUPS, GPU_TARGET_WORKGROUPS, gpu_items_cap, gpu_split_geometry,
+from muser_ti.kernels.split_geometry import (GPU_MAX_WORKGROUPS, GPU_TARGET_WORKGROUPS, gpu_items_cap, gpu_split_geometry,
                                     gpu_workgroups_per_pair, splitk_geometry)
 
 GROUPS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64, 128]
@@ -196,11 +196,11 @@ def test_kernels_follow_the_tile_that_muser_gpu_tile_names(arch, monkeypatch):
 @pytest.mark.parametrize("n_pairs, target, window", [(26, GPU_TARGET_WORKGROUPS, 0), (78, GPU_TARGET_WORKGROUPS, 4096),
                                                      (2, 528, 0), (1, 2, 300), (2048, 264, 0)])
 def test_split_computed_in_a_kernel_matches_gpu_split_geometry(arch, n_pairs, target, window):
-    """The one-dispatch step computes each class's split from the position (splitk.gpu_split_func):
+    """The one-dispatch step computes each class's split from the position (split_geometry.gpu_split_func):
     the same (workgroups, simdgroups) as the host's rule, at every depth where either changes."""
     import taichi as ti
 
-    from muser_ti.kernels.splitk import gpu_split_func
+    from muser_ti.kernels.split_geometry import gpu_split_func
 
     split = gpu_split_func(n_pairs, target, window)
     positions = np.unique(np.concatenate([np.arange(0, 4200), np.geomspace(4200, 1 << 20, 400).astype(np.int64),

@@ -129,7 +129,7 @@ VISIBLES = [1, 31, 32, 33, 1000, 1024, 1025, 2047, 2048, 2049, 4096, 4097, 8192,
 
 
 def test_nsg_rule_matches_splitk_geometry(lib):
-    from muser_ti.kernels.splitk import splitk_geometry
+    from muser_ti.kernels.split_geometry import splitk_geometry
     for visible in VISIBLES:
         expected = 1 if visible <= 2048 else (2 if visible <= 4096 else 4)   # the notes' thresholds
         assert lib.mp_fa_nsg(32, visible) == expected, visible

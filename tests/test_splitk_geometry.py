@@ -8,7 +8,8 @@ from muser_ti.kernels import halves
 from muser_ti.kernels.common import on_gpu
 from muser_ti.kernels.interleaved import build_interleaved
 from muser_ti.kernels.common import VISIT_OWNER
-from muser_ti.kernels.splitk import CPU_TARGET_ITEMS, block_owner, build_splitk, cpu_split_geometry, splitk_geometry
+from muser_ti.kernels.split_geometry import CPU_TARGET_ITEMS, block_owner, cpu_split_geometry, splitk_geometry
+from muser_ti.kernels.splitk import build_splitk
 
 
 @pytest.mark.parametrize("visible, expected", [

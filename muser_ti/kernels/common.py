@@ -11,7 +11,7 @@ TOKEN_MAJOR = "token_major"  # SWA ring: [layer, row, kv_head, d]
 HEAD_MAJOR = "head_major"  # NoPE plane: [layer, kv_head, row, d]
 
 BLOCK_ROWS = 32  # tokens per block: the pinned kernel's read granularity (ncpsg = 32)
-MAX_WORKGROUPS = 32  # see splitk.MAX_DECODE_SPLIT_WORKGROUPS for why
+MAX_WORKGROUPS = 32  # see split_geometry.MAX_DECODE_SPLIT_WORKGROUPS for why
 WORKGROUP_THREADS = 128  # GPU threads per workgroup on the shared-memory path
 VISIT_OWNER = 64  # record mode adds 1 + 64*workgroup per visit: count = v % 64, owner = v // 64 (one visit)
 RUNNING_MAX_INIT = -3.402823466e38  # finite: exp(M_old - M_new) is 0 on the first block, never NaN

@@ -25,11 +25,11 @@ test_one_dispatch_step_gives_the_graph_routes_bits catches a driver that does.  
   producer still takes the current row from the f32 activations (the bypass), and splitk reads it back
   from the f16 plane as before;
 * the gate: the scan runs first and every write the step makes (the plane rows and ``out``) asks its
-  flags since a base stamp (stores.token_accepted), so a refused token leaves the planes and ``out`` as
+  flags since a base stamp (token_scan.token_accepted), so a refused token leaves the planes and ``out`` as
   they were.  The host reads the flags after the step (Engine.step_device), or, with deferred checks,
   at its next synchronisation: one refused token then closes the gate for every token after it until
   the host has looked.  Engine.step checks its numpy token on the host first and opens the gate
-  (stores.OPEN_GATE): its writes never wait on the scan.
+  (token_scan.OPEN_GATE): its writes never wait on the scan.
 
 Where it applies: CUDA and Vulkan, a geometry with both layer classes, each on its default route
 (interleaved, splitk), and a step that grows no plane (the grow copy is not gated).  Every other step
@@ -44,8 +44,8 @@ from .halves import HALVES_PER_WORD, packed_plane
 from .reducer import build_reduce
 from .producer import addressing, gpu_work, plan_key, plan_shared
 from .producer.gpu_common import udiv, umod
-from .splitk import gpu_split_func, gpu_workgroups_per_pair
-from .stores import FLAG_CELLS, build_token_scan, token_accepted
+from .split_geometry import gpu_split_func, gpu_workgroups_per_pair
+from .token_scan import FLAG_CELLS, build_token_scan, token_accepted
 
 ONE_DISPATCH_ARCHS = ("cuda", "vulkan")
 
@@ -60,7 +60,7 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int,
     one-thread task launched ahead of its loop: the layer counts (constant bounds for the scan, store and reducer tasks), the scale,
     both windows and the split's target, and with them the producers' bound (their most work items).
     What follows from those and the position is computed in the kernel, by the threads that use it:
-    both classes' split geometry (splitk.gpu_split_func, what Engine.split_geometry gives) and the planes'
+    both classes' split geometry (split_geometry.gpu_split_func, what Engine.split_geometry gives) and the planes'
     capacities (their row dimension).  Both classes' layers are one table, NoPE then SWA, kept in
     ``flags`` after the scan's FLAG_CELLS cells (one array fewer);
     a class's plane slot is its group index (the groups are the whole classes, in order), so no slot
@@ -79,7 +79,7 @@ def build_step_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int,
         split_nope = gpu_split_func(n_nope * KV, target, window_nope)
         split_swa = gpu_split_func(n_swa * KV, target, window_swa)
         T = plan.T
-        # each class's most work items: the producers' loop bound is a constant (splitk.gpu_items_cap says
+        # each class's most work items: the producers' loop bound is a constant (split_geometry.gpu_items_cap says
         # why), NoPE items in [0, NOPE_ITEMS), SWA items after; a class's items past its split do nothing
         NOPE_ITEMS = n_nope * KV * gpu_workgroups_per_pair(n_nope * KV, target)
         SWA_ITEMS = n_swa * KV * gpu_workgroups_per_pair(n_swa * KV, target)

@@ -21,7 +21,7 @@ GPU_MAXES_IN_FLIGHT = 64  # UM: the maxes a thread loads at once in the first pa
 
 def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: int = 0, serial: bool = False):
     """The reducer kernel; layers_cap (GPU): the most layers a launch merges, which makes its loop's bound a
-    constant (threads past the launch's layers do nothing), as the producers' (splitk.gpu_items_cap says
+    constant (threads past the launch's layers do nothing), as the producers' (split_geometry.gpu_items_cap says
     why); 0: the bound is computed from n_group."""
     D, H = head_dim, n_heads
     W = MAX_WORKGROUPS

@@ -94,7 +94,7 @@ from muser_ti.bench.timing import profile_calls, summarize_trace
 from muser_ti.kernels.common import HEAD_MAJOR
 from muser_ti.kernels.producer import addressing, build_gpu_producer, tile_plan
 from muser_ti.kernels.producer.gpu_common import SHARED_BUDGET_BYTES
-from muser_ti.kernels.splitk import gpu_items_cap, gpu_target_workgroups
+from muser_ti.kernels.split_geometry import gpu_items_cap, gpu_target_workgroups
 from muser_ti.reference import relative_error
 from muser_ti.replay import graph_arg
 from muser_ti.tolerances import F32_ROUTE_RTOL
@@ -295,7 +295,7 @@ def readback_ways(eng: mt.Engine) -> dict:
     """The ways to learn a few device flags that a kernel just wrote (readback's rows), on eng's arch."""
     import taichi as ti
 
-    from muser_ti.kernels.stores import TOKEN_FLAGS
+    from muser_ti.kernels.token_scan import TOKEN_FLAGS
     from muser_ti.transfer import Transfer
 
     shape = (TOKEN_FLAGS + eng.cfg.n_layers,)

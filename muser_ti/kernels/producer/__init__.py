@@ -162,7 +162,7 @@ def producer_kernel(n_kv: int, cpu_item=None, gpu=None, items_cap: int = 0):
     item) once per work item; a GPU runs ``gpu`` = (plan, work), T threads per work item, each with
     the workgroup's shared arrays (block_tile.shared_arrays).  items_cap (GPU): the loop's bound is
     items_cap workgroups, a constant, and those past the launch's n_group x n_kv x nwg items do nothing
-    (splitk.gpu_items_cap says why); the caller keeps the items within it."""
+    (split_geometry.gpu_items_cap says why); the caller keeps the items within it."""
     gpu_path = gpu is not None
     plan, work = gpu if gpu_path else (None, None)
     T = plan.T if gpu_path else 1
