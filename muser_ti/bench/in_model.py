@@ -9,7 +9,7 @@ of the token's 52 calls, the device synchronised at the end of each token), alte
   (torch CPU tensors, torch CUDA tensors zero-copy on arch="cuda", mlx arrays);
 * torch: ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` over the cache a transformers
   ``DynamicCache`` holds (float32 [1, kv heads, keys, d]), after appending the token as its ``update`` does;
-* mlx: ``mx.fast.scaled_dot_product_attention`` over mlx-lm's cache arrays, likewise.
+* mlx: mlx-lm's own caches (``RotatingKVCache`` / ``KVCache``, as its Glimmer makes them) and attention call.
 
 The peers keep K/V in float32 (what the reduced-width test models run in); the engine keeps f16 planes.
 Run it with the other core idle:
@@ -82,20 +82,26 @@ class TorchPeer:
 
 
 class MlxPeer:
-    """mlx-lm's decode attention: the cache arrays it keeps, mx.fast.scaled_dot_product_attention."""
+    """mlx-lm's decode attention: its Glimmer's own caches (``RotatingKVCache(max_size=window)`` for the sliding
+    layers, ``KVCache`` for the full ones, as ``Model.make_cache`` makes them) and its own attention call
+    (``mlx_lm.models.base.scaled_dot_product_attention``, which runs mx.fast's over what the cache returns)."""
 
     name = "mlx sdpa"
 
     def __init__(self, cfg, depth: int, device: str, rng):
         import mlx.core as mx
+        from mlx_lm.models.base import scaled_dot_product_attention
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-        self.mx, self.cfg = mx, cfg
+        self.mx, self.cfg, self.sdpa = mx, cfg, scaled_dot_product_attention
         self.caches = []
         for kind in cfg.layer_kinds:
+            cache = RotatingKVCache(max_size=cfg.window, keep=0) if kind == "swa" else KVCache()
             keys = min(depth, cfg.window) if kind == "swa" else depth
             shape = (1, cfg.n_kv_heads, keys, cfg.head_dim)
-            self.caches.append([mx.random.normal(shape), mx.random.normal(shape)])
-        mx.eval([c for pair in self.caches for c in pair])
+            cache.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))  # the prompt's K/V
+            self.caches.append(cache)
+        mx.eval([c.state for c in self.caches])
 
     def tensors(self, q, k, v):
         mx = self.mx
@@ -107,15 +113,11 @@ class MlxPeer:
 
     def token(self, qs, ks, vs) -> None:
         mx = self.mx
-        outs = []
-        for layer, kind in enumerate(self.cfg.layer_kinds):
-            kc, vc = self.caches[layer]
-            kc = mx.concatenate([kc[:, :, 1:] if kind == "swa" else kc, ks[layer]], axis=2)
-            vc = mx.concatenate([vc[:, :, 1:] if kind == "swa" else vc, vs[layer]], axis=2)
-            self.caches[layer] = [kc, vc]
-            outs.append(mx.fast.scaled_dot_product_attention(qs[layer], kc, vc, scale=self.cfg.attention_scale))
-            mx.eval(outs[-1])  # a model's next layer needs this one's output
-        mx.eval(self.caches)
+        for layer, cache in enumerate(self.caches):
+            kc, vc = cache.update_and_fetch(ks[layer], vs[layer])
+            out = self.sdpa(qs[layer], kc, vc, cache=cache, scale=self.cfg.attention_scale, mask=None)
+            mx.eval(out)  # a model's next layer needs this one's output
+        mx.eval([c.state for c in self.caches])
 
     def engine_arrays(self, qs, ks, vs):
         return ([q[0, :, 0] for q in qs], [k[0, :, 0] for k in ks], [v[0, :, 0] for v in vs])
