@@ -22,3 +22,16 @@ def test_the_c_kernel_runs_twelve_chains_and_reports_its_width(width, tmp_path, 
     if dis:
         reg = {256: "ymm", 512: "zmm"}[width]
         assert sum(1 for line in dis.splitlines() if "vfmadd" in line and reg in line) == fma_peak.C_CHAINS
+
+
+def test_the_floor_is_quoted_at_the_cpus_own_peak_and_says_which(tmp_path, monkeypatch):
+    """muser-decode's FLOP floor: the C kernel at the CPU's widest vectors where it builds; the Taichi kernel's
+    (lower) peak only where it cannot, and then the summary says so."""
+    if not fma_peak.c_widths():
+        pytest.skip("this CPU has no AVX2 + FMA")
+    monkeypatch.setenv("MUSER_FMA_PEAK_CACHE", str(tmp_path))
+    peak, by = fma_peak.floor_peak(repeats=1)
+    assert peak > 0 and by == f"C, {max(fma_peak.c_widths())}-bit FMA"
+    monkeypatch.setattr(fma_peak, "c_binary", lambda width: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    monkeypatch.setattr(fma_peak, "probe", lambda: {"gflop_s": 1.5})
+    assert fma_peak.floor_peak() == (1.5, "Taichi's kernel: no C FMA kernel built here")

@@ -197,6 +197,19 @@ def peaks(repeats: int = REPEATS) -> dict:
     return out
 
 
+def floor_peak(repeats: int = REPEATS) -> tuple[float, str]:
+    """(GFLOP/s, what measured it): the peak a FLOP floor is quoted at.  The CPU's own, the C kernel at its widest
+    vectors, where this machine has a C compiler; else the Taichi kernel's, named so (a lower peak: a higher
+    floor than the CPU's)."""
+    widths = c_widths()
+    if widths:
+        try:
+            return c_peak(max(widths), repeats=repeats)["gflop_s"], f"C, {max(widths)}-bit FMA"
+        except (RuntimeError, OSError, subprocess.SubprocessError):
+            pass  # no compiler, or it failed: the Taichi kernel's peak, said so
+    return probe()["gflop_s"], "Taichi's kernel: no C FMA kernel built here"
+
+
 if __name__ == "__main__":
     if "--all" in sys.argv[1:]:
         print(json.dumps(peaks()))

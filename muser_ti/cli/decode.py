@@ -170,12 +170,12 @@ def run(args) -> dict:
         "kv_bytes_per_token": int(statistics.mean(kv_bytes)),
         "kv_gb_per_s": statistics.mean(kv_bytes) / median / 1e9,
     }
-    # the FLOP floor: this token's attention at the CPU's f32 FMA peak, measured by a kernel of our own in a
-    # process of its own (muser_ti.bench.fma_peak), now that the engine is idle
+    # the FLOP floor: this token's attention at the CPU's f32 FMA peak, measured in a process of its own
+    # (muser_ti.bench.fma_peak: C at the full vector width where a compiler is here), now that the engine is idle
     rows = statistics.mean(kv_bytes) / cfg.kv_bytes_per_row
     summary["flop_per_token"] = attention_flop(cfg, rows)
     if eng.arch == "cpu":
-        peak = fma_peak.probe()["gflop_s"]
+        peak, summary["fma_peak_by"] = fma_peak.floor_peak()
         summary["fma_peak_gflop_s"] = peak
         summary["flop_floor_s"] = summary["flop_per_token"] / (peak * 1e9)
         summary["share_of_floor"] = summary["flop_floor_s"] / median
@@ -215,7 +215,7 @@ def print_summary(s: dict) -> None:
     con.print(f"KV read per token: {s['kv_bytes_per_token'] / 1e6:.2f} MB ({s['kv_gb_per_s']:.2f} GB/s achieved)")
     if "flop_floor_s" in s:
         con.print(f"FLOP floor per token: {s['flop_floor_s'] * 1e3:.2f} ms ({s['flop_per_token'] / 1e9:.2f} GFLOP at this "
-                  f"CPU's measured FMA peak, {s['fma_peak_gflop_s']:.0f} GFLOP/s): the step runs at "
+                  f"CPU's measured f32 peak, {s['fma_peak_gflop_s']:.0f} GFLOP/s, {s['fma_peak_by']}): the step runs at "
                   f"{s['share_of_floor']:.0%} of it")
     if "max_rel_error" in s:
         ok = s["max_rel_error"] <= s["rel_error_bound"]
