@@ -178,7 +178,7 @@ def run(args) -> dict:
         logits.append(r.step(tokens[-1]))
         times.append(time.perf_counter() - t0)
         attention.append(spent[0])
-    steady = times[1:] or times  # the first decoded token compiles the kernels on a cold cache
+    steady = times[1:] or times  # the first decoded token builds the kernels (or loads them from the cache)
     token_s, attention_s = float(np.median(steady)), float(np.median(attention[1:] or attention))
     summary = {
         "framework": r.name, "model": args.checkpoint or f"random-weight Glimmer on {Path(str(args.config)).name}'s attention geometry",
@@ -209,7 +209,7 @@ def report(s: dict) -> None:
     print(f"prompt: {s['prompt_tokens']} tokens through the framework's own attention in {s['prompt_s']:.1f} s, "
           f"its K/V into the engine's planes")
     print(f"decode: {s['decoded_tokens']} tokens, {s['tokens_per_s']:.2f} tokens/s (median {s['token_ms']:.1f} ms a "
-          f"token; first {s['first_token_ms']:.0f} ms, kernels compiled on a cold cache)")
+          f"token; first {s['first_token_ms']:.0f} ms, with the kernels built or loaded from Taichi's cache)")
     print(f"attention: {s['attention_ms']:.1f} ms a token on the engine, {100 * s['attention_share']:.0f}% of the token")
     print("routes (layer-steps): " + ", ".join(f"{k} {v}" for k, v in sorted(s["routes"].items())))
     print("planes: " + "; ".join(f"{k} len {p['len']} / capacity {p['capacity']}, origin ({p['origin_logical']}, "
