@@ -26,9 +26,9 @@ REFUSAL_KINDS = ("a non-finite value in q", "a non-finite value in k", "a non-fi
 class DeviceChecks:
     """An engine's token scan, its flags on the device, and the stamps the host has and has not looked at."""
 
-    def __init__(self, cfg, transfer, graphs, gpu: bool, extra_cells: int = 0):
+    def __init__(self, cfg, transfer, graphs, gpu: bool, download_token, extra_cells: int = 0):
         self.cfg, self.transfer, self.graphs, self.gpu = cfg, transfer, graphs, gpu
-        self.shapes = inputs.token_shapes(cfg)
+        self.download_token = download_token  # the launcher's: a device token's host copy, for refuse()
         self.scan = build_token_scan(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
         # a summary and a ring of every token's flags (token_scan.build_token_scan); the one-dispatch step
         # keeps its layer table in the ``extra_cells`` after them (kernels/one_dispatch.py)
@@ -87,8 +87,7 @@ class DeviceChecks:
 
     def refuse(self, q, k, v) -> None:
         """Raise for a token the scan flagged, naming its first bad value (the host check on a copy)."""
-        host = (self.transfer.download(a, self.shapes[name]) for name, a in (("q", q), ("k", k), ("v", v)))
-        inputs.step_token(self.cfg, *host)
+        inputs.step_token(self.cfg, *self.download_token(q, k, v))
         raise EngineError("step_device: the device scan flagged the token but its host copy passes the checks")  # a bug
 
 

@@ -61,7 +61,7 @@ class Launcher:
         self.unpack = build_unpack(H, KV, D) if gpu and self.transfer.path == "taichi" else None
         self.graphs = GraphReplay()  # GPU: compiled step graphs by dispatch structure
         # the token scan and its flags (device_checks.py); the one-dispatch step's layer table follows the flags
-        self.checks = DeviceChecks(cfg, self.transfer, self.graphs, gpu, extra_cells=L)
+        self.checks = DeviceChecks(cfg, self.transfer, self.graphs, gpu, self.download_token, extra_cells=L)
         self.recorded = None  # the step's dispatches while a GPU step is being recorded
         self.launches = 0  # kernel launches of the last step (does not grow with the layer count)
         self.step_kernel = None  # CUDA, Vulkan: a step on the default routes is one dispatch
