@@ -46,7 +46,7 @@ def cpu_split_geometry(visible: int, n_pairs: int) -> tuple[int, int]:
 # workgroups = 64 workgroups on 132 SMs: 2.45x the time at 131,072 keys).  The GPU path keeps the chapter's
 # nsg rule and block ownership but sizes nwg so that one launch is one wave of resident workgroups, 2 an SM
 # (the producers' 128 threads at up to 255 registers): GPU_TARGET_WORKGROUPS // (layers x KV heads) per pair,
-# at most one per run of blocks (docs/PERF.md kernel history: target workgroups).
+# at most one per run of blocks (docs/lab/runs.md, kernel history: target workgroups).
 GPU_TARGET_WORKGROUPS = 264
 GPU_MAX_WORKGROUPS = 1024  # a pair's most: the reducer folds a thread's partials one after another
 

@@ -7,7 +7,7 @@ A one-thread kernel with A array arguments (1-d or 4-d) and S i32 scalars, dispa
 one-dispatch ti.graph as the engine's step is: the host's time in Graph.run, the device idle before
 each run (the issue, not the work).  Taichi needs a kernel's source file, so the kernels are written
 to a temporary directory.  The slope per argument says what a step saves by binding fewer
-(docs/PERF.md run 13).  Medians; rows are printed as JSON lines and written to --json.
+(docs/lab/runs.md, run 13).  Medians; rows are printed as JSON lines and written to --json.
 """
 
 import argparse

@@ -39,7 +39,7 @@ paths: the one-dispatch step (kernels/one_dispatch.py) against the graph route, 
 same engine, in alternating rounds of each: step() and step_device(), to the device's completion,
 with the host's time inside Taichi's graph launch (C++ included).  --paths one,direct,graph picks them;
 "direct" is the one dispatch (and step_device's scan) launched from Python instead of a ti.graph, which
-came back sooner on the H200's Vulkan in three of four single measurements (docs/PERF.md run 26).
+came back sooner on the H200's Vulkan in three of four single measurements (docs/lab/runs.md, run 26).
 Run 11 also kept the CUDA driver's default memory pool (Taichi's per-launch buffers) across
 synchronisations: no change, so it is gone.
 Between processes on the lent H200 the host's speed moved torch's launch-bound step by 1.7x (run 11),

@@ -1,7 +1,7 @@
 """Holding the CPUs' wake-up latency down while a GPU step waits: a measurement aid for virtual machines.
 
 A Vulkan step ends in a wait for the device (~560 us on the lent H200's Vulkan, 2-3 us on its CUDA, whose
-sync spins: docs/PERF.md run 26), and on a VM the waiting thread's vCPU may halt until the device's
+sync spins: docs/lab/runs.md, run 26), and on a VM the waiting thread's vCPU may halt until the device's
 interrupt wakes it.  Linux's PM QoS file /dev/cpu_dma_latency asks the idle loop to stay within a wake-up
 latency; 0 keeps it polling instead of halting, for as long as the file stays open.  Measured on lavapipe
 on this 2-core VM (haltpoll cpuidle driver; run 27): a kernel plus the engine's flag download 727-788 us

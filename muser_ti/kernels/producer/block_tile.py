@@ -18,7 +18,7 @@ group shape the warp tile does not cover (Qwen2.5-7B's 7 heads per KV head, mult
 Registers decide occupancy and Taichi 1.7.4 decides the register cap: it marks every CUDA kernel
 ``.maxntid T`` and ``.minnctapersm 2``, so ptxas may use 65,536 / (2 T) registers a thread; T = 128 runs
 2 workgroups an SM without spills.  Known deficit: issue-bound at depth, about 1.5x the warp tile's time
-for one deep NoPE layer (docs/PERF.md, kernel history).
+for one deep NoPE layer (docs/lab/runs.md, kernel history).
 
 Block ownership is the chapter's (block b belongs to workgroup (b // nsg) % nwg): a workgroup walks its
 owned rows in increasing order, R at a time, with one online-softmax update per tile.

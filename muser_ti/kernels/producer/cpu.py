@@ -11,7 +11,7 @@ them ymm multiplies and adds, 8 scalar ``vcvtph2ps`` and 8 broadcasts (the value
 and the shuffle port bound it near 10-13 FLOP a cycle and core, against 16 for Taichi's mul + add and 64
 for the CPU's 512-bit FMA (docs/PERF.md, "CPU").  With
 fast_math on, LLVM's loop vectorizer takes the dimension loops instead, with gathers, and every variant
-tried ran slower (docs/PERF.md, kernel history).  The large local matrices make a cold compile take tens
+tried ran slower (docs/lab/runs.md, kernel history).  The large local matrices make a cold compile take tens
 of seconds per kernel; Taichi's offline cache keeps it after that.
 """
 

@@ -40,7 +40,7 @@ def tile_choice(text: str | None = None) -> dict:
 def udiv(x, n: ti.template()):
     """x // n for x >= 0 and a compile-time n.  Taichi's ``//`` and ``%`` are Python's floor ops, whose sign
     correction hid every shared-memory index's range from LLVM (a sign extension per access, no constant
-    offset folded); a shift or a mask keeps it known (docs/PERF.md kernel history: udiv/umod)."""
+    offset folded); a shift or a mask keeps it known (docs/lab/runs.md, kernel history: udiv/umod)."""
     if ti.static(n & (n - 1) == 0):
         return x >> ti.static(n.bit_length() - 1)
     else:

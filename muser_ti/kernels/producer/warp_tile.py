@@ -28,7 +28,7 @@ Where it applies (warp_tile_plan): 4 heads per lane (G % 4 == 0), head groups th
 4, 8, 16, 32), at most 64 accumulators per lane (D x G <= 2048), and the backend's shared memory: 37.2 KiB
 for Glimmer, so CUDA and Vulkan (48 KiB) but not Metal (32 KiB).  Every other geometry runs the block tile.
 Known deficit: issue-bound at depth (254 registers, 2 warps a scheduler, ~50-60 % issue); the variants
-that tried to hide more or do less are in docs/PERF.md's kernel history.
+that tried to hide more or do less are in docs/lab/runs.md's kernel history.
 """
 
 from dataclasses import dataclass, field
