@@ -9,7 +9,9 @@ traceback from inside a kernel.
 
 from __future__ import annotations
 
+import io
 import math
+import stat
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -136,9 +138,18 @@ def _int_field(raw: dict, source: str, name: str, lo: int, hi: int) -> int:
     return value
 
 
+def top_level(raw: Any) -> str:
+    """What a YAML document's top level holds, in words (an error names what it found)."""
+    if raw is None:
+        return "nothing (an empty document)"
+    return {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(
+        type(raw), type(raw).__name__) + f" ({shown(raw, 40)})"
+
+
 def _validate(raw: Any, source: str) -> Geometry:
     if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: expected a mapping of fields at the top level, got {type(raw).__name__}")
+        raise ConfigError(f"{source}: expected a mapping of fields at the top level (name: ..., n_heads: ...), got "
+                          f"{top_level(raw)}")
     unknown = sorted((k for k in raw if k not in _FIELDS), key=repr)
     if unknown:
         raise ConfigError(f"{source}: unknown field(s) {shown(unknown)}; allowed fields are {list(_FIELDS)}")
@@ -244,13 +255,53 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def read_yaml(path: Path, missing: str, error: type[Exception] = ConfigError):
-    """Parse a YAML file (StrictLoader), or raise ``error`` naming the file (``missing`` says what absence
-    means)."""
-    if not path.is_file():
-        raise error(f"{path}: {missing}")
+MAX_YAML_BYTES = 1 << 20  # a geometry or sweep file is a few hundred bytes; past this it is not one of them
+
+
+def _kind_of(mode: int) -> str:
+    """What a path that is not a regular file is, in words."""
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _read_text(path: Path, missing: str, error: type[Exception]) -> str:
+    """The file's text, or ``error`` naming the path and what is wrong with it: absent, not a regular file (a
+    FIFO would block the read and a device never end it, so neither is opened), too large, unreadable (a
+    permission, or an I/O error such as /proc/self/mem's), or not UTF-8."""
     try:
-        return yaml.load(path.read_text(), Loader=StrictLoader)
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):  # absent, or under a path that is a file
+        raise error(f"{path}: {missing}") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise error(f"{path}: is {_kind_of(mode)}, not a YAML file") from None
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_YAML_BYTES + 1)
+    except OSError as exc:
+        raise error(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    if len(data) > MAX_YAML_BYTES:
+        raise error(f"{path}: larger than {MAX_YAML_BYTES:,} bytes; expected a YAML file of a few hundred") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); expected a "
+                    f"YAML file") from None
+
+
+def read_yaml(path: Path, missing: str, error: type[Exception] = ConfigError):
+    """Parse a YAML file (StrictLoader), or raise ``error`` naming the file and what is wrong (``missing`` says
+    what absence means).  Every command reads its config and sweep files here, so each gets the same one-line
+    refusal for every way a path can fail."""
+    stream = io.StringIO(_read_text(path, missing, error))
+    stream.name = path.name  # PyYAML's marks name the stream: "in 'x.yaml', line 3", not "<unicode string>"
+    try:
+        return yaml.load(stream, Loader=StrictLoader)
     except yaml.YAMLError as exc:
         raise error(f"{path}: not valid YAML: {exc}") from None
 

@@ -88,6 +88,32 @@ def test_decode_bad_input_is_one_error_line(tmp_path, args, words):
     assert_one_error_line(run_command("decode", *args, cwd=tmp_path), *words)
 
 
+# Each way a config path can be wrong, through one command each: every command reads its config (and muser-sweep
+# its sweep file) with muser_ti.config.read_yaml, so one command per case covers the path every command takes
+# (test_config.py checks each case on the API; muser-sweep's top-level check is its own, so it gets a case too).
+@pytest.mark.parametrize("script, case", [
+    ("decode", "not UTF-8"),
+    ("bench", "unreadable"),
+    ("sweep", "a directory"),
+    ("model", "not YAML"),
+    ("decode", "not a mapping"),
+    ("sweep", "not a mapping"),
+    ("bench", "a device"),
+    ("decode", "too large"),
+    ("model", "empty"),
+])
+def test_every_bad_config_path_is_one_error_line(tmp_path, script, case):
+    from test_config import bad_paths
+
+    if script == "model":
+        pytest.importorskip("transformers")  # muser-model asks for its framework before it reads --config
+    path, words = bad_paths(tmp_path)[case]
+    out = run_command(script, "--config", str(path), *([] if script == "sweep" else ["--arch", "cpu"]), cwd=tmp_path)
+    if script == "sweep" and case == "not a mapping":
+        words = [str(path), "expected a mapping with keys name, base", "got a list"]
+    assert_one_error_line(out, *words)
+
+
 def test_decode_without_cuda_says_what_would_make_it_available(tmp_path):
     from muser_ti import backend
 

@@ -1,5 +1,6 @@
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -100,3 +101,48 @@ def test_unreadable_files(tmp_path):
     p.write_text("- just\n- a list\n")
     with pytest.raises(ConfigError, match="mapping"):
         mt.load_config(p)
+
+
+# Every way a config path can fail gives mt.ConfigError naming the path and what is wrong, never another
+# exception: read_yaml is the one reader of every command's config and sweep files (test_commands.py runs each
+# case through a command).  Unreadable as root too: /proc/self/mem is a regular file whose read fails (EIO);
+# chmod 000 would not stop root, and a FIFO would block the reader.
+def bad_paths(tmp_path) -> dict:
+    """{case: (path, words the error must hold)} for each way a config path can be wrong."""
+    (tmp_path / "latin1.yaml").write_bytes("name: caf\u00e9\n".encode("latin-1"))
+    (tmp_path / "a-folder").mkdir()
+    (tmp_path / "broken.yaml").write_text("n_heads: [1, 2\n")
+    (tmp_path / "list.yaml").write_text("- just\n- a list\n")
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "huge.yaml").write_text("# padding\n" * 200_000)
+    return {
+        "missing": (tmp_path / "absent.yaml", ["absent.yaml", "no such config file"]),
+        "not UTF-8": (tmp_path / "latin1.yaml", ["latin1.yaml", "not UTF-8", "0xe9", "offset 9"]),
+        "unreadable": (Path("/proc/self/mem"), ["/proc/self/mem", "cannot be read", "Input/output error"]),
+        "a directory": (tmp_path / "a-folder", ["a-folder", "is a directory"]),
+        "a device": (Path("/dev/zero"), ["/dev/zero", "is a character device"]),
+        "too large": (tmp_path / "huge.yaml", ["huge.yaml", "larger than 1,048,576 bytes"]),
+        "not YAML": (tmp_path / "broken.yaml", ["broken.yaml", "not valid YAML", "line 1"]),
+        "not a mapping": (tmp_path / "list.yaml", ["list.yaml", "expected a mapping", "got a list"]),
+        "empty": (tmp_path / "empty.yaml", ["empty.yaml", "expected a mapping", "an empty document"]),
+    }
+
+
+BAD_CASES = ["missing", "not UTF-8", "unreadable", "a directory", "a device", "too large", "not YAML",
+             "not a mapping", "empty"]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_every_bad_config_path_is_one_config_error(tmp_path, case):
+    path, words = bad_paths(tmp_path)[case]
+    with pytest.raises(ConfigError) as info:
+        mt.load_config(path)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def test_a_bare_name_that_is_a_folder_here_is_named_so(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "glimmer.yaml").mkdir()  # exists here, so the bare name is this path, not configs/'s file
+    with pytest.raises(ConfigError, match="glimmer.yaml: is a directory"):
+        mt.load_config("glimmer.yaml")

@@ -39,7 +39,7 @@ import numpy as np
 import muser_ti as mt
 from muser_ti import backend, bandwidth, ladder
 from muser_ti.cli import ArgumentParser, Interrupted, guarded, need
-from muser_ti.config import NOPE, SWA, SWEEP_DIR, read_yaml, resolve_config_path
+from muser_ti.config import NOPE, SWA, SWEEP_DIR, read_yaml, resolve_config_path, top_level
 from muser_ti.planes import PlaneError, PlaneSet
 from muser_ti.reference import relative_error
 GEOMETRY_AXES = ("n_heads", "n_kv_heads", "head_dim", "n_layers", "layer_pattern", "window", "swa_ring_slack",
@@ -153,7 +153,8 @@ def load_sweep(path: str | Path) -> Sweep:
     raw = read_yaml(path, f"no such sweep file (bare names resolve to {SWEEP_DIR})", SweepError)
     src = str(path)
     if not isinstance(raw, dict):
-        raise SweepError(f"{src}: expected a mapping with keys name, base, fixed, axes, run")
+        raise SweepError(f"{src}: expected a mapping with keys name, base, fixed, axes, run at the top level, got "
+                         f"{top_level(raw)}")
     unknown = sorted(set(raw) - {"name", "description", "base", "fixed", "axes", "run"})
     if unknown:
         raise SweepError(f"{src}: unknown key(s) {unknown}; allowed: name, description, base, fixed, axes, run")
