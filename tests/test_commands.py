@@ -114,6 +114,23 @@ def test_every_bad_config_path_is_one_error_line(tmp_path, script, case):
     assert_one_error_line(out, *words)
 
 
+@pytest.mark.parametrize("command", ["decode", "sweep", "bench", "model"])
+def test_every_option_has_help_that_shows_its_default(command):
+    """`--help` tells a newcomer what each option does and what it is when left out."""
+    import importlib
+
+    ap = importlib.import_module(f"muser_ti.cli.{command}").parser()
+    formatter = ap._get_formatter()
+    for action in ap._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"muser-{command} {action.option_strings[0]} has no help text"
+        shown = formatter._expand_help(action)
+        assert "default" in shown.lower(), f"muser-{command} {action.option_strings[0]}: {shown!r}"
+    out = run_command(command, "--help")
+    assert out.returncode == 0 and "(default: glimmer.yaml)" in out.stdout or command == "sweep", out.stdout
+
+
 def test_decode_without_cuda_says_what_would_make_it_available(tmp_path):
     from muser_ti import backend
 
@@ -177,7 +194,42 @@ def test_commands_without_rich_say_what_to_install(tmp_path):
             f"sys.exit(main(['--config', {str(_tiny_config(tmp_path))!r}, '--arch', 'cpu', '--tokens', '1', "
             "'--start-depth', '1']))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert_one_error_line(out, "rich", "pip install 'muser-ti[cli]'")
+    assert_one_error_line(out, "rich", f"pip install -e '.[cli]' in {ROOT}")  # this checkout is installed editable
+
+
+def test_the_install_hint_follows_how_the_package_was_installed(tmp_path, monkeypatch):
+    """An editable checkout installs an extra from the checkout (as the README says); a wheel from the index."""
+    import muser_ti.cli as cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "checkout", lambda: None)
+    assert cli.install_hint("hf") == "pip install 'muser-ti[hf]'"
+    monkeypatch.setattr(cli, "checkout", lambda: tmp_path)
+    assert cli.install_hint("hf") == "pip install -e '.[hf]'"
+    monkeypatch.setattr(cli, "checkout", lambda: ROOT)
+    assert cli.install_hint("mlx") == f"pip install -e '.[mlx]' in {ROOT}"
+
+
+def test_an_editable_install_is_found_from_pips_record(tmp_path, monkeypatch):
+    """PEP 610's direct_url.json names the checkout of an editable install; a wheel's says nothing editable."""
+    import importlib.metadata as metadata
+
+    import muser_ti.cli as cli
+
+    class Dist:
+        def __init__(self, record):
+            self.record = record
+
+        def read_text(self, name):
+            return json.dumps(self.record) if name == "direct_url.json" else None
+
+    editable = {"dir_info": {"editable": True}, "url": f"file://{tmp_path}/my%20checkout"}
+    monkeypatch.setattr(metadata, "distributions", lambda name: [Dist(editable)])
+    assert cli.checkout() == tmp_path / "my checkout"
+    monkeypatch.setattr(metadata, "distributions", lambda name: [Dist({"url": "https://x/muser_ti.whl",
+                                                                          "archive_info": {}})])
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "muser_ti" / "cli" / "__init__.py"))
+    assert cli.checkout() is None
 
 
 def test_decode_interrupted_prints_one_line_after_the_token(tmp_path):

@@ -37,3 +37,17 @@ def test_a_missing_checkpoint_is_one_error_line(tmp_path):
 def test_too_many_layers_is_one_error_line():
     out = run_command("model", "--layers", "60", "--arch", "cpu", timeout=300)
     assert_one_error_line(out, "--layers 60", "52 layers")
+
+
+@pytest.mark.parametrize("framework, module, extra", [("transformers", "transformers", "hf"), ("mlx", "mlx_lm", "mlx")])
+def test_a_missing_framework_says_how_to_install_it_as_installed_here(tmp_path, framework, module, extra):
+    """This checkout is installed editable, so the hint is the README's: pip install -e '.[hf]' from the checkout."""
+    import subprocess
+    import sys
+
+    from test_commands import ROOT
+
+    code = (f"import sys; sys.modules[{module!r}] = None; from muser_ti.cli.model import main; "
+            f"sys.exit(main(['--framework', {framework!r}, '--arch', 'cpu']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert_one_error_line(out, f"--framework {framework} needs {module}", f"pip install -e '.[{extra}]'")

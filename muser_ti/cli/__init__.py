@@ -16,8 +16,11 @@ import argparse
 import contextlib
 import functools
 import importlib
+import json
 import os
 import sys
+import urllib.parse
+from pathlib import Path
 
 from ..errors import BackendError, ConfigError, EngineError, PinnedUnavailable, PlaneError, RouteError
 
@@ -72,9 +75,22 @@ def guarded(*more_errors: type[BaseException]):
     return wrap
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's help with every option's default: ``(default: X)`` after its help, unless the help already says
+    its default in words (``--capacity``'s "default: the geometry's own" says more than "None")."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        return text if "default" in text.lower() else super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, whose errors read as the commands' own: one ``error: ...`` line, status 2 (argparse
-    prints its usage block, then ``PROG: error: ...``)."""
+    prints its usage block, then ``PROG: error: ...``), and whose help shows every option's default."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(EXIT_ERROR, f"error: {message} (see {self.prog} --help)\n")
@@ -109,6 +125,32 @@ def _int_at_least(text: str, low: int, whole: str | None = None) -> int:
     return value
 
 
+def checkout() -> Path | None:
+    """The source checkout this package runs from, where it was installed editable (``pip install -e .``): pip's
+    direct_url.json says so (PEP 610), and a package folder next to a pyproject.toml and a .git is one too (pip
+    may not have recorded it); None for an installed wheel."""
+    import importlib.metadata as metadata
+
+    for dist in metadata.distributions(name="muser-ti"):
+        try:
+            info = json.loads(dist.read_text("direct_url.json") or "{}")
+        except (OSError, ValueError):
+            continue
+        if info.get("dir_info", {}).get("editable") and info.get("url", "").startswith("file://"):
+            return Path(urllib.parse.unquote(info["url"][len("file://"):]))
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / ".git").exists() else None
+
+
+def install_hint(extra: str) -> str:
+    """How to install an extra, as the user installed the package: into the checkout it runs from, or the wheel."""
+    root = checkout()
+    if root is None:
+        return f"pip install 'muser-ti[{extra}]'"
+    here = Path.cwd().resolve() == root.resolve()
+    return f"pip install -e '.[{extra}]'" + ("" if here else f" in {root}")
+
+
 def need(module: str, command: str, what: str):
     """Import ``module``, one of the commands' optional dependencies (the ``cli`` extra), or refuse with how
     to install it."""
@@ -116,7 +158,22 @@ def need(module: str, command: str, what: str):
         return importlib.import_module(module)
     except ImportError:
         raise CommandError(f"{command} needs {module} ({what}), which is not installed: "
-                           f"pip install 'muser-ti[cli]'") from None
+                           f"{install_hint('cli')}") from None
+
+
+@contextlib.contextmanager
+def progress_bars(*columns, disable: bool = False, console=None):
+    """rich's Progress with these columns, whose bars are cleared when the block raises: the ``error:`` or
+    ``interrupted`` line is then the last thing on the screen, not a bar stopped at "decode 0/4"."""
+    from rich.progress import Progress
+
+    progress = Progress(*columns, disable=disable, console=console)
+    with progress:
+        try:
+            yield progress
+        except BaseException:
+            progress.live.transient = True  # Live.stop then erases the bars (and prints no final frame to a file)
+            raise
 
 
 @contextlib.contextmanager

@@ -33,11 +33,10 @@ def route_list(text: str) -> list[str]:
     return routes
 
 
-@guarded()
-def main(argv=None) -> int:
+def parser() -> ArgumentParser:
     ap = ArgumentParser(prog="muser-bench", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="glimmer.yaml", help="geometry YAML (a bare name resolves to configs/)")
-    ap.add_argument("--arch", default="cpu", choices=["cpu", "cuda", "vulkan"])
+    ap.add_argument("--arch", default="cpu", choices=["cpu", "cuda", "vulkan"], help="the backend to measure on")
     ap.add_argument("--layer-depths", type=positive_int_list, default="2048,32768,131072",
                     help="keys a layer attends, comma-separated")
     ap.add_argument("--step-depths", type=positive_int_list, default="2048,32768",
@@ -45,11 +44,17 @@ def main(argv=None) -> int:
     ap.add_argument("--routes", type=route_list, default="splitk,interleaved", help="routes the layer cases time")
     ap.add_argument("--repeats", type=positive_int, default=7, help="timed calls per process (after two untimed ones)")
     ap.add_argument("--rounds", type=positive_int, default=3, help="CPU: processes per (case, side), the sides in turns")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None, help="write the rows and the machine description here")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random Q, K and V")
+    ap.add_argument("--json", default=None,
+                    help="write the rows and the machine description to this file (default: none, the table only)")
     ap.add_argument("--mode", default="layers", choices=["layers", "steps"],
                     help="GPU archs: one layer's GPU busy time, or the whole step's wall time per token")
-    args = ap.parse_args(argv)
+    return ap
+
+
+@guarded()
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
 
     base = mt.load_config(args.config)
     need("rich", "muser-bench", "its tables")

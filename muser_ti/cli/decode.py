@@ -20,32 +20,43 @@ from pathlib import Path
 import numpy as np
 
 import muser_ti as mt
-from muser_ti import ladder
+from muser_ti import backend, ladder
 from muser_ti.bandwidth import attention_flop
 from muser_ti.bench import fma_peak
 from muser_ti.cli import (ArgumentParser, CommandError, Interrupted, guarded, kernel_cache, need, nonnegative_int,
                           positive_int, stdout_for_data)
 from muser_ti.config import CONFIG_DIR
+from muser_ti.engine import PINNED_MODES
 from muser_ti.interrupts import held_back
 from muser_ti.reference import relative_error
 
 
-def parse_args(argv=None):
+def parser() -> ArgumentParser:
     ap = ArgumentParser(prog="muser-decode", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="glimmer.yaml", help="geometry YAML (a bare name resolves to configs/)")
-    ap.add_argument("--tokens", type=positive_int, default=24, help="tokens to decode, >= 1 (default 24)")
-    ap.add_argument("--start-depth", type=nonnegative_int, default=2040,
-                    help="tokens to prefill before decoding, >= 0 (default 2040)")
-    ap.add_argument("--arch", default="auto", choices=["auto", "cpu", "cuda", "vulkan", "metal"])
-    ap.add_argument("--pinned", default="auto", choices=["auto", "on", "off"])
-    ap.add_argument("--route", default=None, choices=list(ladder.ROUTES), help="force a route on the layers of its class")
-    ap.add_argument("--capacity", type=positive_int, default=None, help="per-session plane capacity override")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokens", type=positive_int, default=24, help="tokens to decode, >= 1")
+    ap.add_argument("--start-depth", type=nonnegative_int, default=2040, help="tokens to prefill before decoding, >= 0")
+    ap.add_argument("--arch", default="auto", choices=list(backend.ARCHS),
+                    help="the Taichi backend: auto takes Metal, then CUDA, then a hardware Vulkan device, else the CPU")
+    ap.add_argument("--pinned", default="auto", choices=list(PINNED_MODES),
+                    help="llama.cpp's pinned kernel: auto leaves it off (its bound fails on some accepted input), on "
+                         "takes it where its predicates hold and it is loaded, off never")
+    ap.add_argument("--route", default=None, choices=list(ladder.ROUTES),
+                    help="force a route on the layers of its class (default: the ladder chooses)")
+    ap.add_argument("--capacity", type=positive_int, default=None,
+                    help="every plane's capacity in rows, for this session (default: each plane's own: a ring holds "
+                         "the window plus swa_ring_slack, a NoPE plane grows to max_context)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic Q, K and V")
     ap.add_argument("--check", action="store_true", help="compare every step with the float64 reference")
-    ap.add_argument("--json", action="store_true", help="print the summary as JSON only")
+    ap.add_argument("--json", action="store_true", help="print the summary as JSON only, alone on stdout")
     ap.add_argument("--explain", action="store_true",
-                    help="print the config's bandwidth arithmetic (chapter 16.7: KV bytes vs the weight stream by depth) and exit")
-    return ap.parse_args(argv)
+                    help="print the config's bandwidth arithmetic (chapter 16.7: KV bytes vs the weight stream by depth) "
+                         "and exit")
+    return ap
+
+
+def parse_args(argv=None):
+    return parser().parse_args(argv)
 
 
 def synthetic(rng, shape):

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import ArgumentParser, CommandError, guarded, nonnegative_int, positive_int
+from ..backend import ARCHS
+from . import ArgumentParser, CommandError, guarded, install_hint, nonnegative_int, positive_int
 
 FRAMEWORKS = {"transformers": ("transformers", "hf"), "mlx": ("mlx_lm", "mlx")}
 
@@ -30,8 +31,7 @@ def _need_framework(name: str):
     try:
         __import__(module)
     except ImportError:
-        raise CommandError(f"--framework {name} needs {module}, which is not installed: pip install "
-                           f"'muser-ti[{extra}]'") from None
+        raise CommandError(f"--framework {name} needs {module}, which is not installed: {install_hint(extra)}") from None
 
 
 def _timed_attention(engine, spent: list) -> None:
@@ -224,24 +224,33 @@ def report(s: dict) -> None:
               f"decides ({a['greedy_same']} of {a['steps']} in all)")
 
 
+def parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="muser-model", description=__doc__.splitlines()[0])
+    ap.add_argument("--framework", choices=sorted(FRAMEWORKS), default="transformers",
+                    help="whose Glimmer runs: transformers' or mlx-lm's")
+    ap.add_argument("--checkpoint", help="a local checkpoint folder (config.json and weights; nothing is downloaded) "
+                    "(default: none: random weights on --config's attention geometry)")
+    ap.add_argument("--config", default="glimmer.yaml",
+                    help="the random model's attention geometry (a bare name resolves to configs/)")
+    ap.add_argument("--layers", type=nonnegative_int, default=0,
+                    help="keep the first N layers of the config's pattern (default: 0, all of them)")
+    ap.add_argument("--prompt-tokens", type=positive_int, default=256,
+                    help="prompt length: the framework's own attention computes it, the engine ingests its K/V")
+    ap.add_argument("--tokens", type=positive_int, default=32, help="tokens to decode with the engine as the attention")
+    ap.add_argument("--arch", default="auto", choices=list(ARCHS), help="the engine's Taichi backend")
+    ap.add_argument("--device", default="cpu",
+                    help="where transformers' model runs: cpu, cuda or cuda:N (with --arch cuda the engine reads its "
+                         "CUDA tensors in place)")
+    ap.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random weights and the prompt")
+    ap.add_argument("--no-check", dest="check", action="store_false",
+                    help="skip the agreement check with the framework's own attention (default: checked)")
+    ap.add_argument("--json", action="store_true", help="only the summary, as JSON, on stdout")
+    return ap
+
+
 @guarded()
 def main(argv=None) -> int:
-    ap = ArgumentParser(prog="muser-model", description=__doc__.splitlines()[0])
-    ap.add_argument("--framework", choices=sorted(FRAMEWORKS), default="transformers")
-    ap.add_argument("--checkpoint", help="a local checkpoint folder (config.json and weights); default: random weights")
-    ap.add_argument("--config", default="glimmer.yaml", help="the random model's attention geometry (default glimmer.yaml)")
-    ap.add_argument("--layers", type=nonnegative_int, default=0,
-                    help="keep the first N layers of the config's pattern (default: all)")
-    ap.add_argument("--prompt-tokens", type=positive_int, default=256)
-    ap.add_argument("--tokens", type=positive_int, default=32, help="tokens to decode")
-    ap.add_argument("--arch", default="auto", help="auto | cpu | cuda | vulkan | metal")
-    ap.add_argument("--device", default="cpu", help="where transformers' model runs: cpu | cuda (with --arch cuda the "
-                    "engine reads its CUDA tensors in place)")
-    ap.add_argument("--seed", type=nonnegative_int, default=0)
-    ap.add_argument("--no-check", dest="check", action="store_false",
-                    help="skip the agreement check with the framework's own attention")
-    ap.add_argument("--json", action="store_true", help="only the summary, as JSON, on stdout")
-    args = ap.parse_args(argv)
+    args = parser().parse_args(argv)
     summary = run(args)
     if args.json:
         json.dump(summary, sys.stdout, indent=1)

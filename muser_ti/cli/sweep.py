@@ -367,18 +367,23 @@ def run_sweep(sweep: Sweep, out_dir: Path, fresh: bool = False, quiet: bool = Fa
     return {"executed": len(todo), "skipped": len(sweep.points) - len(todo), "csv": csv_path, "md": md, "png": pngs}
 
 
-@guarded(SweepError)
-def main(argv=None) -> int:
+def parser() -> ArgumentParser:
     ap = ArgumentParser(prog="muser-sweep", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True,
-                    help="sweep file: a path, or a bare name in configs/sweeps/ (tiny.yaml, depth.yaml, ...)")
+                    help="sweep file: a path, or a bare name in configs/sweeps/ (tiny.yaml, depth.yaml, ...); required, "
+                         "no default")
     ap.add_argument("--out", default=str(DEFAULT_OUT),
-                    help=f"output folder (default {DEFAULT_OUT}/ under the current folder; the committed results "
-                         f"are in docs/sweeps/)")
+                    help="output folder, under the current folder unless absolute (the committed results are in "
+                         "docs/sweeps/)")
     ap.add_argument("--fresh", action="store_true", help="discard this sweep's CSV in --out and measure every point again")
     ap.add_argument("--dry-run", action="store_true", help="validate and list the points; run nothing")
     ap.add_argument("--no-plots", action="store_true", help="write the CSV and the table only (no matplotlib needed)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+@guarded(SweepError)
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     sweep = load_sweep(args.config)
     if args.dry_run:
         for p in sweep.points:
