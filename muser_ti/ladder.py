@@ -86,11 +86,29 @@ def select(kind: str, plane: PlaneState, pinned_loaded: bool, strict: bool, forc
         raise RouteError(f"route {forced!r} serves {ROUTE_KIND[forced]} layers; layer {layer} is {kind}")
     if not route_allowed(forced, kind, plane, pinned_loaded, strict):
         raise RouteError(
-            f"route {forced!r} forced on layer {layer} but its predicate fails: pinned library loaded="
-            f"{pinned_loaded}, {STRICT_ENV}={'set' if strict else 'unset'}, plane len={plane.len}, "
-            f"capacity={plane.capacity}, origin_physical={plane.origin_physical}"
+            f"route {forced!r} forced on layer {layer} but its predicate fails: "
+            f"{'; '.join(failing_clauses(forced, plane, pinned_loaded, strict))} (plane len={plane.len}, "
+            f"capacity={plane.capacity}, origin_physical={plane.origin_physical})"
         )
     return forced
+
+
+def failing_clauses(route: str, plane: PlaneState, pinned_loaded: bool, strict: bool) -> list[str]:
+    """The clauses of a vec route's predicate that fail on ``plane``, each with what would make it hold."""
+    out = []
+    if not (strict or pinned_loaded):
+        out.append(f"the pinned library is not in use (pinned='on' puts it in use where it loads; {STRICT_ENV} set "
+                   f"skips this clause)")
+    if plane.len == 0:
+        out.append("the plane is empty")
+    if plane.capacity < VEC_BLOCK_ROWS:
+        out.append(f"its capacity {plane.capacity} is under {VEC_BLOCK_ROWS} rows, the kernel's read block")
+    if not (plane.origin_physical == 0 or plane.len == plane.capacity):
+        out.append("the ring is partially wrapped: its rows are not one span until it is full")
+    if route == LLAMA_VEC_SWA and plane.len % VEC_BLOCK_ROWS:
+        out.append(f"len {plane.len} is not a multiple of {VEC_BLOCK_ROWS} (the kernel cannot pad a ring's ragged "
+                   f"last block)")
+    return out
 
 
 def parse_force(force, layer_kinds: tuple[str, ...]) -> dict[int, str]:

@@ -65,3 +65,19 @@ def test_forcing_routes():
         ladder.select("nope", full, True, False, "splitk", 3)
     with pytest.raises(ladder.RouteError, match="unknown route"):
         ladder.select("nope", full, True, False, "flash", 3)
+
+
+@pytest.mark.parametrize("plane, loaded, route, words", [
+    (PlaneState(len=63, capacity=64), True, "llama_vec_swa", "len 63 is not a multiple of 32"),
+    (PlaneState(len=64, capacity=64), False, "llama_vec_nope", "pinned='on' puts it in use"),
+    (PlaneState(len=16, capacity=16), True, "llama_vec_nope", "capacity 16 is under 32 rows"),
+    (PlaneState(len=40, capacity=64, origin_logical=30, origin_physical=8), True, "llama_vec_nope",
+     "partially wrapped"),
+])
+def test_a_failing_forced_route_names_the_clause_that_fails(plane, loaded, route, words):
+    """A forced vec route whose predicate fails says which clause, and what would make it hold."""
+    kind = ladder.ROUTE_KIND[route]
+    with pytest.raises(ladder.RouteError) as info:
+        ladder.select(kind, plane, loaded, False, route, 2)
+    assert f"{route!r} forced on layer 2 but its predicate fails: " in str(info.value)
+    assert words in str(info.value) and len(ladder.failing_clauses(route, plane, loaded, False)) == 1
