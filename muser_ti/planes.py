@@ -142,11 +142,16 @@ class PlaneSet:
         new = st.after_append(position)
         logical_start, visible = visible_span(self.geom, self.kind, position)
         if new.origin_logical > logical_start:
-            raise PlaneError(
-                f"{self.kind} ring of capacity {new.capacity} cannot hold the window of {visible} rows at "
-                f"position {position} (window {self.geom.window}); give the session a capacity >= the window"
-            )
+            raise self._too_small(new.capacity, visible, position)
         return new
+
+    def _too_small(self, capacity: int, visible: int, position: int) -> PlaneError:
+        """A ring too small for the rows its window sees at ``position``: the least capacity that holds them (the
+        window's rows so far, not yet the whole window where the session is younger than it)."""
+        later = f", and {self.geom.window} (the window) once the session is that long" if visible < self.geom.window else ""
+        return PlaneError(f"{self.kind} ring of capacity {capacity} cannot hold the {visible} rows its window sees at "
+                          f"position {position} (the current token included; window {self.geom.window}); it needs a "
+                          f"capacity >= {visible}{later}")
 
     def grown_capacity(self, needed: int, capacity: int | None = None) -> int:
         """Amortised doubling, capped: the next allocation of a growing plane (now ``capacity``, the plane's own
@@ -197,10 +202,7 @@ class PlaneSet:
         last = end - 1
         logical_start, visible = visible_span(self.geom, self.kind, last)
         if new.origin_logical > logical_start:
-            raise PlaneError(
-                f"{self.kind} ring of capacity {new.capacity} cannot hold the window of {visible} rows at position {last} "
-                f"(window {self.geom.window}); give the session a capacity >= the window"
-            )
+            raise self._too_small(new.capacity, visible, last)
         return new
 
 

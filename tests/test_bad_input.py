@@ -71,7 +71,9 @@ def test_prefill_the_planes_cannot_hold(arch):
         tiny.prefill(*_kv(5, cfg))
     assert_live_equal(before, live(tiny))
     small_ring = mt.Engine(cfg, arch=arch, pinned="off", capacity=8)  # a ring smaller than its window
-    with pytest.raises(EngineError, match=r"ring of capacity 8 cannot hold the window of 9 rows at position 8 \(window 16\)"):
+    with pytest.raises(EngineError, match=r"ring of capacity 8 cannot hold the 9 rows its window sees at position 8 "
+                                          r"\(the current token included; window 16\); it needs a capacity >= 9, "
+                                          r"and 16 \(the window\) once"):
         small_ring.prefill(*_kv(9, cfg))
     assert small_ring.position == 0 and small_ring.planes["swa"].state.len == 0
     eng = mt.Engine(cfg, arch=arch, pinned="off")
