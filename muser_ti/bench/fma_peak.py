@@ -24,6 +24,7 @@ thread per core (pthreads), the best of its repeats.  The FLOP floor is quoted a
 import hashlib
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -166,7 +167,7 @@ def c_binary(width: int) -> Path:
         raise RuntimeError("the C FMA peak needs a C compiler (gcc or cc on PATH)")
     flags = C_FLAGS[width]
     tag = hashlib.sha256((C_SOURCE + cc + " ".join(flags)).encode()).hexdigest()[:10]
-    root = Path(os.environ.get("MUSER_FMA_PEAK_CACHE") or Path.home() / ".cache" / "muser-ti" / "fma-peak")
+    root = cache_root()
     exe = root / f"fma{width}-{tag}"
     if not exe.is_file():
         root.mkdir(parents=True, exist_ok=True)
@@ -197,14 +198,70 @@ def peaks(repeats: int = REPEATS) -> dict:
     return out
 
 
+FLOOR_RUNS = 3  # processes of the C kernel a kept peak is the best of (each the best of REPEATS calls)
+
+
+def cache_root() -> Path:
+    """~/.cache/muser-ti/fma-peak/ (MUSER_FMA_PEAK_CACHE elsewhere): the C kernels and the kept peaks."""
+    return Path(os.environ.get("MUSER_FMA_PEAK_CACHE") or Path.home() / ".cache" / "muser-ti" / "fma-peak")
+
+
+def machine() -> str:
+    """What a kept peak belongs to: this CPU's model and its core count."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def _shown(path: Path) -> str:
+    try:
+        return "~/" + path.relative_to(Path.home()).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def kept_peak(measure_c, runs: int = FLOOR_RUNS) -> tuple[float, str]:
+    """The C peak this machine keeps in ``floor-peaks.json`` (keyed by machine()), measured as the best of ``runs``
+    processes of ``measure_c()`` where it has none.  One run's best moves with what else the host runs (151 to
+    201 GFLOP/s between runs on the 2-core VM), and a floor quoted at a moving peak moves with it; the best of
+    several is the nearest to the CPU's, and kept, every run quotes the same one."""
+    path = cache_root() / "floor-peaks.json"
+    try:
+        kept = json.loads(path.read_text())
+        kept = kept if isinstance(kept, dict) else {}
+    except (OSError, ValueError):
+        kept = {}
+    entry = kept.get(machine())
+    if not (isinstance(entry, dict) and isinstance(entry.get("gflop_s"), (int, float)) and entry.get("by")):
+        results = [measure_c() for _ in range(runs)]
+        best = max(results, key=lambda r: r["gflop_s"])
+        entry = {"gflop_s": best["gflop_s"], "by": f"C, {best['width']}-bit FMA, the best of {runs} runs",
+                 "runs": [r["gflop_s"] for r in results], "measured": time.strftime("%Y-%m-%d")}
+        kept[machine()] = entry
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(kept, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only home: measured again next time
+    return float(entry["gflop_s"]), f"{entry['by']} on {entry['measured']}, kept in {_shown(path)}"
+
+
 def floor_peak(repeats: int = REPEATS) -> tuple[float, str]:
     """(GFLOP/s, what measured it): the peak a FLOP floor is quoted at.  The CPU's own, the C kernel at its widest
-    vectors, where this machine has a C compiler; else the Taichi kernel's, named so (a lower peak: a higher
-    floor than the CPU's)."""
+    vectors, where this machine has a C compiler: measured once per machine and kept (kept_peak); else the Taichi
+    kernel's, named so (a lower peak: a higher floor than the CPU's), measured every time."""
     widths = c_widths()
     if widths:
         try:
-            return c_peak(max(widths), repeats=repeats)["gflop_s"], f"C, {max(widths)}-bit FMA"
+            return kept_peak(lambda: c_peak(max(widths), repeats=repeats))
         except (RuntimeError, OSError, subprocess.SubprocessError):
             pass  # no compiler, or it failed: the Taichi kernel's peak, said so
     return probe()["gflop_s"], "Taichi's kernel: no C FMA kernel built here"
