@@ -158,5 +158,16 @@ def active() -> str | None:
     return _active
 
 
+def release() -> None:
+    """End Taichi's program, which writes the kernels it compiled into its offline cache; the next activate()
+    starts a fresh one.  Every engine of this process is unusable after it."""
+    global _active
+    if _active is None:
+        return
+    gc.collect()  # as in activate: what only a cycle holds goes while the runtime stands
+    ti.reset()
+    _active = None
+
+
 def generation() -> int:
     return _generation

@@ -30,6 +30,14 @@ def test_decode_json_writes_only_json_to_stdout(tmp_path):
     assert summary["routes_per_class"] == {"swa": {"splitk": 9}, "nope": {"interleaved": 3}}
     assert summary["max_rel_error"] <= summary["rel_error_bound"]
     assert "[Taichi]" in out.stderr  # the banner is not lost, only moved
+    # the same keys on a run that differs in everything optional: no --check, a ring that never wraps
+    plain = subprocess.run([sys.executable, str(ROOT / "scripts" / "decode.py"), "--config", str(config), "--arch",
+                            "cpu", "--pinned", "off", "--start-depth", "10", "--tokens", "3", "--json"],
+                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    other = json.loads(plain.stdout)
+    assert set(other) == set(summary) and set(other["swa_ring"]) == set(summary["swa_ring"])
+    assert other["max_rel_error"] is None and other["swa_ring"]["wrapped_during"] is None
+    assert summary["swa_ring"]["wrapped_during"] == "prefill" and summary["swa_ring"]["wrapped_at_token"] is None
 
 
 def test_decode_reports_bad_input_on_stderr_with_status_2(tmp_path):
@@ -77,7 +85,10 @@ def _tiny_config(tmp_path) -> Path:
     (["--tokens", "-5"], ["--tokens", ">= 1", "'-5'"]),
     (["--start-depth", "-1"], ["--start-depth", ">= 0"]),
     (["--tokens", "abc"], ["--tokens", "'abc'"]),
-    (["--capacity", "100"], ["--capacity 100", "window of 2048 rows"]),  # the real window, not a chunk's rows
+    # one minimum, the session's: its NoPE planes keep all 2,064 tokens, more than the rings' window of 2,048
+    (["--capacity", "100"], ["--capacity 100", "needs 2064 rows", "NoPE planes keep all 2064", "the last 2048 (its "
+                             "window)", ">= 2064"]),
+    (["--capacity", "40", "--start-depth", "40", "--tokens", "4"], ["--capacity 40", "needs 44 rows", ">= 44"]),
     (["--start-depth", "131072"], ["max_context of 131072"]),
     (["--config", "absent.yaml"], ["absent.yaml", "no such config file"]),
     (["--arch", "metal"], ["macOS", "Metal"]),
@@ -262,16 +273,158 @@ def test_decode_interrupted_prints_one_line_after_the_token(tmp_path):
 
 
 def test_decode_says_when_it_compiles(tmp_path):
-    """A cold kernel cache (a fresh Taichi cache folder) gets the "compiling kernels" line; the next run not."""
+    """A cold kernel cache (a fresh Taichi cache folder) gets the "compiling kernels" line and a first step that
+    says it compiled; the next run neither: its first step says its kernels came from the cache."""
     config = _tiny_config(tmp_path)
     env = dict(os.environ, TI_OFFLINE_CACHE_FILE_PATH=str(tmp_path / "ticache"))
     args = ["--config", str(config), "--arch", "cpu", "--pinned", "off", "--start-depth", "70", "--tokens", "2", "--json"]
     cold = run_command("decode", *args, cwd=tmp_path, env=env)
     assert cold.returncode == 0, cold.stderr
-    assert "compiling kernels (first run only" in cold.stderr
+    assert "compiling kernels (tiny-cli's first run" in cold.stderr
+    assert json.loads(cold.stdout)["first_step_compiled"] is True
     warm = run_command("decode", *args, cwd=tmp_path, env=env)
     assert warm.returncode == 0, warm.stderr
     assert "compiling kernels" not in warm.stderr
+    assert json.loads(warm.stdout)["first_step_compiled"] is False
+
+
+class FakeCache:
+    """Taichi's cache folder for kernel_cache.Watch, without Taichi: a folder, and a release that 'writes'."""
+
+    def __init__(self, folder: Path, monkeypatch):
+        from muser_ti import backend
+        from muser_ti.cli import kernel_cache
+
+        self.folder, self.compiled = folder, []
+        folder.mkdir(exist_ok=True)
+        monkeypatch.setattr(kernel_cache, "_cache_folder", lambda: folder)
+        monkeypatch.setattr(backend, "release", lambda: [(folder / f"T{k}.tic").write_text("") for k in self.compiled])
+
+
+def test_the_cache_watch_predicts_from_the_files_a_session_left(tmp_path, monkeypatch):
+    """Warm is a marker listing the session's kernel files, every one still there; a run compiled iff Taichi wrote
+    new files by the time it ended."""
+    from muser_ti.cli.kernel_cache import Watch
+
+    fake = FakeCache(tmp_path / "ticache", monkeypatch)
+    first = Watch("session-a")
+    assert first.cold
+    fake.compiled = ["k1", "k2"]
+    assert first.finish() is True
+    again = Watch("session-a")
+    assert not again.cold
+    fake.compiled = []
+    assert again.finish() is False and not Watch("session-a").cold
+    assert Watch("session-b").cold  # another geometry or option: its own marker
+    (fake.folder / "Tk2.tic").unlink()  # a cache cleaned under the marker: cold again
+    assert Watch("session-a").cold
+
+
+def test_the_sessions_key_leaves_out_files_that_define_no_kernel():
+    """Editing the engine's bookkeeping must not make a cached session "compile": only the files that define
+    Taichi kernels or functions name it (with Taichi's version, the arch, the geometry and the options)."""
+    from muser_ti.cli import kernel_cache
+
+    names = {p.relative_to(kernel_cache.PACKAGE).as_posix() for p in kernel_cache.kernel_sources()}
+    assert "kernels/reducer.py" in names and "kernels/producer/cpu.py" in names
+    assert not {"engine.py", "token.py", "launch.py", "planes.py", "cli/decode.py"} & names
+    cfg = mt.load_config("glimmer.yaml")
+    key = kernel_cache.session_key(cfg, "cpu", pinned="auto")
+    assert key == kernel_cache.session_key(cfg.with_overrides(name="renamed"), "cpu", pinned="auto")
+    assert key != kernel_cache.session_key(cfg, "cpu", pinned="off")
+    assert key != kernel_cache.session_key(cfg.with_overrides(n_layers=4), "cpu", pinned="auto")
+
+
+def test_the_first_step_says_compile_only_when_it_compiled(capsys):
+    from muser_ti.cli.decode import print_summary, ring_wrap
+
+    summary = {"model": "muse-glimmer", "config": "glimmer.yaml", "arch": "cpu", "graph": "teacher",
+               "pinned_loaded": False, "pinned": "off", "tokens": 24, "routes_per_class": {"swa": {"splitk": 24}},
+               "swa_ring": None, "tokens_per_s": 1.0, "median_step_s": 1.0, "first_step_s": 4.059,
+               "launches_per_token": 5, "kv_bytes_per_token": 1, "kv_gb_per_s": 1.0}
+    print_summary(summary | {"first_step_compiled": False})
+    text = " ".join(capsys.readouterr().out.split())
+    assert "first step 4059 ms, its kernels loaded from Taichi's cache)" in text and "compil" not in text
+    print_summary(summary | {"first_step_compiled": True})
+    assert "first step 4059 ms, incl. compiling its kernels)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_pinned_line_says_one_thing_on_a_gpu_arch(capsys):
+    """On Vulkan the library is loaded but cannot read the planes: the line says it is not in use, and why, not
+    "not loaded: ... is loaded"."""
+    from muser_ti.cli.decode import print_summary
+    from muser_ti.pinned.llama_rung import pinned_status
+
+    loaded, why = pinned_status("vulkan")
+    assert not loaded
+    summary = {"model": "m", "config": "c.yaml", "arch": "vulkan", "graph": "teacher", "pinned_loaded": loaded,
+               "pinned": why, "tokens": 1, "routes_per_class": {}, "swa_ring": None, "tokens_per_s": 1.0,
+               "median_step_s": 1.0, "first_step_s": 1.0, "launches_per_token": 1, "kv_bytes_per_token": 1,
+               "kv_gb_per_s": 1.0}
+    print_summary(summary)
+    line = " ".join(capsys.readouterr().out.split()).split("pinned llama library: ")[1]
+    assert line.startswith("not in use: ") and "not loaded" not in line and line.count("not in use") == 1
+
+
+def test_the_capacity_minimum_is_the_planes_own(monkeypatch):
+    """The minimum --capacity muser-decode names holds the session in the planes' own checks (a prefill in
+    256-token chunks, then one token at a time), and one row less does not: for NoPE-bound, window-bound and
+    short sessions alike."""
+    from muser_ti.cli.decode import capacity_needed
+    from muser_ti.planes import PlaneError, PlaneSet
+
+    def holds(cfg, start, tokens, capacity) -> bool:
+        try:
+            for kind, layers in (("swa", cfg.swa_layers), ("nope", cfg.nope_layers)):
+                if not layers:
+                    continue
+                planes = PlaneSet(cfg, kind, layers, capacity if kind == "swa" else min(capacity, cfg.max_context))
+                done = 0
+                while done < start:
+                    n = min(256, start - done)
+                    planes.state = planes.check_prefill(done, n)
+                    done += n
+                for position in range(start, start + tokens):
+                    planes.state = planes.check_append(position)
+        except PlaneError:
+            return False
+        return True
+
+    glimmer = mt.load_config("glimmer.yaml")
+    swa_only = glimmer.with_overrides(layer_pattern=["swa"])
+    for cfg, start, tokens in ((glimmer, 2040, 24), (glimmer, 40, 4), (swa_only, 2040, 24), (swa_only, 2040, 4),
+                               (swa_only, 3000, 5)):
+        rows, why = capacity_needed(cfg, start + tokens)
+        assert holds(cfg, start, tokens, rows) and not holds(cfg, start, tokens, rows - 1), (cfg.layer_pattern, start,
+                                                                                              tokens, rows, why)
+
+
+def test_capacity_at_the_named_minimum_runs(tmp_path):
+    config = _tiny_config(tmp_path)  # 70 prefilled + 3 decoded: its NoPE plane keeps 73 rows, its rings 64
+    args = ["--config", str(config), "--arch", "cpu", "--pinned", "off", "--start-depth", "70", "--tokens", "3"]
+    assert_one_error_line(run_command("decode", *args, "--capacity", "72", cwd=tmp_path), "needs 73 rows", ">= 73")
+    out = run_command("decode", *args, "--capacity", "73", "--json", cwd=tmp_path)
+    assert out.returncode == 0 and json.loads(out.stdout)["final_position"] == 73, out.stderr
+
+
+def test_a_forced_pinned_route_names_the_option_that_allows_it(tmp_path):
+    out = run_command("decode", "--config", str(_tiny_config(tmp_path)), "--arch", "cpu", "--route", "llama_vec_swa",
+                      "--start-depth", "70", "--tokens", "4", cwd=tmp_path)
+    if mt.pinned_library_status("cpu")[0]:
+        assert_one_error_line(out, "--route llama_vec_swa", "(--pinned auto)", "--pinned on puts it in use")
+    else:
+        assert_one_error_line(out, "--route llama_vec_swa", "the pinned library is unavailable here")
+
+
+def test_no_progress_bar_is_left_behind_an_error(tmp_path):
+    """A route forced on a plane its predicate refuses fails at the first decoded token, mid-progress: the
+    error line is all that is left (the bars are cleared), and nothing is left on stdout."""
+    if not mt.pinned_library_status("cpu")[0]:
+        pytest.skip("the pinned library is not loadable here: --pinned on is refused before any bar")
+    out = run_command("decode", "--config", str(_tiny_config(tmp_path)), "--arch", "cpu", "--pinned", "on", "--route",
+                      "llama_vec_swa", "--start-depth", "10", "--tokens", "4", cwd=tmp_path)
+    assert_one_error_line(out, "'llama_vec_swa' forced on layer 0", "len 11 is not a multiple of 32")
+    assert "prefill" not in out.stderr + out.stdout and "decode" not in out.stderr and out.stdout == ""
 
 
 # ---- what the decode prints ---------------------------------------------------------------------------------
@@ -279,11 +432,13 @@ def test_ring_wrap_is_placed_by_the_geometry():
     from muser_ti.cli.decode import ring_wrap
 
     # Glimmer's 2,048-row ring: prefilled 30,000 deep, it first wrapped at 2,048, in the prefill
-    assert ring_wrap(2048, 30000, 24) == {"wrapped_at_position": 2048, "wrapped_during": "prefill"}
+    assert ring_wrap(2048, 30000, 24) == {"wrapped_at_position": 2048, "wrapped_during": "prefill",
+                                          "wrapped_at_token": None}
     # the default session: 2,040 prefilled, the 9th decoded token (position 2,048) wraps it
     assert ring_wrap(2048, 2040, 24) == {"wrapped_at_position": 2048, "wrapped_during": "decode", "wrapped_at_token": 9}
     assert ring_wrap(2048, 2048, 1) == {"wrapped_at_position": 2048, "wrapped_during": "decode", "wrapped_at_token": 1}
-    assert ring_wrap(2048, 2047, 1) == {"wrapped_at_position": None, "wrapped_during": None}
+    # not wrapped: the same keys, null (a --json reader indexes them on every run)
+    assert ring_wrap(2048, 2047, 1) == {"wrapped_at_position": None, "wrapped_during": None, "wrapped_at_token": None}
 
 
 def test_summary_says_where_the_ring_wrapped(capsys):

@@ -168,12 +168,14 @@ def progress_bars(*columns, disable: bool = False, console=None):
     from rich.progress import Progress
 
     progress = Progress(*columns, disable=disable, console=console)
-    with progress:
-        try:
-            yield progress
-        except BaseException:
-            progress.live.transient = True  # Live.stop then erases the bars (and prints no final frame to a file)
-            raise
+    progress.start()
+    try:
+        yield progress
+    except BaseException:
+        progress.live.transient = True  # Live.stop then erases the bars (and prints no final frame to a file)
+        progress.live.stop()  # not Progress.stop, which ends a file's output with an empty line
+        raise
+    progress.stop()
 
 
 @contextlib.contextmanager

@@ -24,11 +24,14 @@ from muser_ti import backend, ladder
 from muser_ti.bandwidth import attention_flop
 from muser_ti.bench import fma_peak
 from muser_ti.cli import (ArgumentParser, CommandError, Interrupted, guarded, kernel_cache, need, nonnegative_int,
-                          positive_int, stdout_for_data)
+                          positive_int, progress_bars, stdout_for_data)
 from muser_ti.config import CONFIG_DIR
 from muser_ti.engine import PINNED_MODES
 from muser_ti.interrupts import held_back
 from muser_ti.reference import relative_error
+
+# What a cold compile of the main job costs, measured (muser-decode --config glimmer.yaml, an empty Taichi cache)
+COLD_COMPILE = "~40 s for Glimmer"
 
 
 def parser() -> ArgumentParser:
@@ -63,6 +66,21 @@ def synthetic(rng, shape):
     return rng.standard_normal(shape, dtype=np.float32)
 
 
+def capacity_needed(cfg: mt.Geometry, end: int) -> tuple[int, str]:
+    """The least --capacity a session that ends at position ``end`` runs with, and why.  The option sets every
+    plane's capacity, so the class that needs the most rows decides: a ring holds the rows its window sees at the
+    last token, the current one included (min(end, window)); a NoPE plane holds every token (end)."""
+    needs = []
+    if cfg.nope_layers:
+        needs.append((end, f"its NoPE planes keep all {end} of its tokens"))
+    if cfg.swa_layers:
+        rows = min(end, cfg.window)
+        seen = (f"the last {rows} (its window)" if rows == cfg.window else
+                f"all {rows} of its tokens (the session is shorter than the window of {cfg.window})")
+        needs.append((rows, f"its SWA rings keep {seen}"))
+    return max(rows for rows, _ in needs), " and ".join(why for _, why in needs)
+
+
 def check_session(cfg: mt.Geometry, args) -> None:
     """Refuse, before anything runs, a session its geometry or --capacity cannot hold, naming the real limit
     (the planes' own check fires mid-prefill, at the chunk that first passes it)."""
@@ -71,22 +89,21 @@ def check_session(cfg: mt.Geometry, args) -> None:
         raise CommandError(f"--start-depth + --tokens = {end} passes {cfg.name}'s max_context of {cfg.max_context}")
     if args.capacity is None:
         return
-    if cfg.swa_layers and args.capacity < min(end, cfg.window):
-        raise CommandError(f"--capacity {args.capacity}: an SWA ring must hold its window of {cfg.window} rows "
-                           f"({cfg.name}), and this session reaches {min(end, cfg.window)} visible rows; give "
-                           f"--capacity >= {min(end, cfg.window)}, or leave it out")
-    if cfg.nope_layers and args.capacity < end:
-        raise CommandError(f"--capacity {args.capacity}: a NoPE plane never drops a token, and this session "
-                           f"holds {end}; give --capacity >= {end}, or leave it out")
+    rows, why = capacity_needed(cfg, end)
+    if args.capacity < rows:
+        raise CommandError(f"--capacity {args.capacity}: it sets every plane's capacity, and this session "
+                           f"({args.start_depth} prefilled + {args.tokens} decoded, {cfg.name}) needs {rows} rows: {why}; "
+                           f"give --capacity >= {rows}, or leave it out")
 
 
 def ring_wrap(capacity: int, start_depth: int, tokens: int) -> dict:
     """Where a ring of ``capacity`` rows first wrapped: the position whose row first overwrote an older one
-    (the ring fills positions 0 .. capacity-1, so that is position ``capacity``), and in which phase."""
+    (the ring fills positions 0 .. capacity-1, so that is position ``capacity``), in which phase, and at which
+    decoded token; the same three keys every time, null where they do not apply (--json's readers index them)."""
     if start_depth + tokens <= capacity:
-        return {"wrapped_at_position": None, "wrapped_during": None}
+        return {"wrapped_at_position": None, "wrapped_during": None, "wrapped_at_token": None}
     if capacity < start_depth:
-        return {"wrapped_at_position": capacity, "wrapped_during": "prefill"}
+        return {"wrapped_at_position": capacity, "wrapped_during": "prefill", "wrapped_at_token": None}
     return {"wrapped_at_position": capacity, "wrapped_during": "decode", "wrapped_at_token": capacity - start_depth + 1}
 
 
@@ -108,28 +125,57 @@ def paths_shown(text: str) -> str:
     return text
 
 
+def check_route(route: str | None, pinned: str, eng: mt.Engine) -> None:
+    """A forced vec route runs llama.cpp's pinned kernel, which only --pinned on puts in use (where the library
+    loads): say so before anything runs, naming the option, not as the ladder's predicate failing at the first
+    token."""
+    if route not in ladder.PINNED_ROUTES or eng.pinned_loaded or ladder.strict_attention():
+        return
+    here, why = mt.pinned_library_status(eng.arch)
+    if here:
+        fix = "--pinned on puts it in use"
+    elif eng.arch != "cpu" and mt.pinned_library_status("cpu")[0]:
+        fix = f"it runs on the CPU only, so --arch cpu --pinned on ({why})"
+    else:
+        fix = f"the pinned library is unavailable here: {why}"
+    raise CommandError(f"--route {route} forces llama.cpp's pinned kernel, which this session leaves out of use "
+                       f"(--pinned {pinned}); {fix}")
+
+
+def compile_notice(cfg: mt.Geometry) -> str:
+    return (f"compiling kernels ({cfg.name}'s first run with these options: {COLD_COMPILE} on a 2-core CPU; "
+            f"Taichi keeps them in {kernel_cache.shown_folder()})")
+
+
 def run(args) -> dict:
     cfg = mt.load_config(args.config)
     check_session(cfg, args)
     need("rich", "muser-decode", "its progress bars and tables")
     eng = mt.Engine(cfg, arch=args.arch, pinned=args.pinned, force=args.route, capacity=args.capacity)
+    check_route(args.route, args.pinned, eng)
+    cache = kernel_cache.Watch(kernel_cache.session_key(cfg, eng.arch, pinned=args.pinned, route=args.route,
+                                                        capacity=args.capacity, graph=eng.graph))
+    if cache.cold:  # before the prefill: its store kernels are the first to compile
+        print(compile_notice(cfg), file=sys.stderr, flush=True)
+    summary = decode(eng, cfg, args)
+    del eng  # the engine is done: Taichi's program can end, writing what it compiled into its cache
+    summary["first_step_compiled"] = cache.finish()
+    add_floor(summary, cfg)
+    return summary
+
+
+def decode(eng: mt.Engine, cfg: mt.Geometry, args) -> dict:
+    """Prefill and decode the session with progress bars; the summary of what the engine did."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+
     rng = np.random.default_rng(args.seed)
     L, H, KV, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    quiet = args.json
-    cache_key = kernel_cache.session_key(cfg, eng.arch, pinned=args.pinned, route=args.route, capacity=args.capacity,
-                                         graph=eng.graph)
-    if kernel_cache.is_cold(cache_key):  # before the prefill: its store kernels are the first to compile
-        print(f"compiling kernels (first run only, ~40 s for Glimmer on 2 CPU cores; Taichi keeps them in "
-              f"{kernel_cache.shown_folder()})", file=sys.stderr, flush=True)
     step_seconds, kv_bytes, errors = [], [], []
     per_class = {"swa": Counter(), "nope": Counter()}
     done = 0
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                      disable=quiet, transient=False) as progress:
+        with progress_bars(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                           disable=args.json) as progress:
             chunk = 256
             task = progress.add_task("prefill", total=args.start_depth)
             while done < args.start_depth:  # prefill in chunks: bounded host memory at any depth
@@ -145,8 +191,6 @@ def run(args) -> dict:
                     t0 = time.perf_counter()
                     out = eng.step(q, k, v)
                     step_seconds.append(time.perf_counter() - t0)
-                if len(step_seconds) == 1:
-                    kernel_cache.mark_warm(cache_key)
                 kv_bytes.append(eng.kv_bytes_last_step())
                 for layer, route in enumerate(eng.routes):
                     per_class[cfg.layer_kinds[layer]][route] += 1
@@ -158,11 +202,11 @@ def run(args) -> dict:
                           f"({done} of {args.start_depth} prefilled; the engine stopped at position {eng.position}, "
                           f"its last token whole)") from None
 
-    # the first step includes kernel compilation (or loading it from Taichi's cache): report it apart
+    # the first step includes building its kernels (compiling them, or loading them from Taichi's cache): apart
     steady = step_seconds[1:] or step_seconds
     median = statistics.median(steady)
     swa = eng.planes.get("swa")
-    summary = {
+    return {
         "config": config_shown(cfg.source),
         "model": cfg.name,
         "arch": eng.arch,
@@ -176,24 +220,35 @@ def run(args) -> dict:
         "routes_per_class": {kind: dict(c) for kind, c in per_class.items() if c},
         "launches_per_token": eng.launches_last_step,
         "first_step_s": step_seconds[0],
+        "first_step_compiled": None,  # Watch.finish says, once the engine is done
         "median_step_s": median,
         "tokens_per_s": 1.0 / median,
         "kv_bytes_per_token": int(statistics.mean(kv_bytes)),
         "kv_gb_per_s": statistics.mean(kv_bytes) / median / 1e9,
+        "flop_per_token": attention_flop(cfg, statistics.mean(kv_bytes) / cfg.kv_bytes_per_row),
+        "max_rel_error": max(errors) if args.check else None,
+        "rel_error_bound": mt.tolerances.F32_ROUTE_RTOL if args.check else None,
     }
-    # the FLOP floor: this token's attention at the CPU's f32 FMA peak, measured in a process of its own
-    # (muser_ti.bench.fma_peak: C at the full vector width where a compiler is here), now that the engine is idle
-    rows = statistics.mean(kv_bytes) / cfg.kv_bytes_per_row
-    summary["flop_per_token"] = attention_flop(cfg, rows)
-    if eng.arch == "cpu":
-        peak, summary["fma_peak_by"] = fma_peak.floor_peak()
-        summary["fma_peak_gflop_s"] = peak
-        summary["flop_floor_s"] = summary["flop_per_token"] / (peak * 1e9)
-        summary["share_of_floor"] = summary["flop_floor_s"] / median
-    if args.check:
-        summary["max_rel_error"] = max(errors)
-        summary["rel_error_bound"] = mt.tolerances.F32_ROUTE_RTOL
-    return summary
+
+
+def add_floor(summary: dict, cfg: mt.Geometry) -> None:
+    """The FLOP floor: the token's attention at the CPU's f32 FMA peak (muser_ti.bench.fma_peak.floor_peak: C at the
+    full vector width where a compiler is here, measured once per machine and kept), on the CPU only; the keys
+    are there, null, elsewhere (a --json reader finds the same keys on every run)."""
+    floor = dict.fromkeys(("fma_peak_gflop_s", "fma_peak_by", "flop_floor_s", "share_of_floor"))
+    if summary["arch"] == "cpu":
+        peak, floor["fma_peak_by"] = fma_peak.floor_peak()
+        floor["fma_peak_gflop_s"] = peak
+        floor["flop_floor_s"] = summary["flop_per_token"] / (peak * 1e9)
+        floor["share_of_floor"] = floor["flop_floor_s"] / summary["median_step_s"]
+    summary.update(floor)
+
+
+def first_step_words(compiled: bool | None) -> str:
+    """What the first step's time holds besides the step: a compile only where this run compiled."""
+    if compiled is None:
+        return ""
+    return ", incl. compiling its kernels" if compiled else ", its kernels loaded from Taichi's cache"
 
 
 def print_summary(s: dict) -> None:
@@ -202,7 +257,8 @@ def print_summary(s: dict) -> None:
 
     con = Console()
     con.print(f"[bold]{s['model']}[/] ({s['config']}) on [bold]{s['arch']}[/], graph {s['graph']}")
-    con.print(f"pinned llama library: {'loaded: ' if s['pinned_loaded'] else 'not loaded: '}{s['pinned']}")
+    # "in use", not "loaded": the library can be loaded and still left out (pinned='auto', or planes off the CPU)
+    con.print(f"pinned llama library: {'in use: ' if s['pinned_loaded'] else 'not in use: '}{s['pinned']}")
     if s["swa_ring"]:
         r = s["swa_ring"]
         if r["wrapped_during"] == "prefill":
@@ -222,13 +278,14 @@ def print_summary(s: dict) -> None:
         t.add_row(kind, *[str(counts.get(r, 0)) for r in ladder.ROUTES])
     con.print(t)
     con.print(f"attention stack: {s['tokens_per_s']:.2f} tokens/s (median step {s['median_step_s'] * 1e3:.2f} ms, "
-              f"first step {s['first_step_s'] * 1e3:.0f} ms incl. compile), {s['launches_per_token']} kernel launches/token")
+              f"first step {s['first_step_s'] * 1e3:.0f} ms{first_step_words(s.get('first_step_compiled'))}), "
+              f"{s['launches_per_token']} kernel launches/token")
     con.print(f"KV read per token: {s['kv_bytes_per_token'] / 1e6:.2f} MB ({s['kv_gb_per_s']:.2f} GB/s achieved)")
-    if "flop_floor_s" in s:
+    if s.get("flop_floor_s") is not None:
         con.print(f"FLOP floor per token: {s['flop_floor_s'] * 1e3:.2f} ms ({s['flop_per_token'] / 1e9:.2f} GFLOP at this "
-                  f"CPU's measured f32 peak, {s['fma_peak_gflop_s']:.0f} GFLOP/s, {s['fma_peak_by']}): the step runs at "
+                  f"CPU's measured f32 peak, {s['fma_peak_gflop_s']:.0f} GFLOP/s: {s['fma_peak_by']}): the step runs at "
                   f"{s['share_of_floor']:.0%} of it")
-    if "max_rel_error" in s:
+    if s.get("max_rel_error") is not None:
         ok = s["max_rel_error"] <= s["rel_error_bound"]
         con.print(f"max relative error vs float64 reference: {s['max_rel_error']:.3e} "
                   f"({'within' if ok else 'OVER'} the bound {s['rel_error_bound']:.0e})")
