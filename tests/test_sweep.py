@@ -1,5 +1,6 @@
 """muser-sweep (muser_ti/cli/sweep.py): sweep files are validated before any engine is built, and sweeps resume."""
 
+from pathlib import Path
 
 import pytest
 import yaml
@@ -140,3 +141,43 @@ def test_a_users_sweep_writes_outside_the_tracked_tree(tmp_path, monkeypatch):
     assert len(rows) == 1
     made_by = (tmp_path / "out" / "sweeps" / "t.md").read_text()
     assert "--out out/sweeps`" in made_by
+
+
+# ---- what a user sees of a sweep ---------------------------------------------------------------------------
+def _committed_tiny(out: Path) -> Path:
+    """The committed tiny sweep's CSV, copied where a run may resume from it (its 42 points all measured)."""
+    import shutil
+
+    out.mkdir()
+    return Path(shutil.copy(Path(__file__).resolve().parent.parent / "docs" / "sweeps" / "tiny.csv", out))
+
+
+def test_a_resumed_sweep_says_what_it_resumed(tmp_path):
+    """Every point already in the CSV: one line saying so, no '0/0' bar; a partial CSV: a run that says it resumed."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "sweep.py"
+    out = tmp_path / "out"
+    _committed_tiny(out)
+    done = subprocess.run([sys.executable, str(script), "--config", "tiny.yaml", "--out", str(out), "--no-plots"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"tiny: all 42 points already in {out / 'tiny.csv'}; nothing to run" in done.stdout
+    assert "0/0" not in done.stdout + done.stderr and "done before" not in done.stdout + done.stderr
+    assert sweep.outcome("tiny", 2, 40, Path("t.csv")) == "tiny: resumed: ran 2 point(s) after the 40 already in t.csv"
+    assert sweep.outcome("tiny", 42, 0, Path("t.csv")) == "tiny: ran 42 point(s) into t.csv"
+
+
+def test_a_sweeps_panels_lie_in_a_grid_readable_at_a_pages_width(tmp_path):
+    """tiny.yaml's 14 panels once made one 8,470-pixel row; three a row, they fit a page's width."""
+    import matplotlib.image
+
+    from muser_ti.cli.sweep_report import grid, write_plots
+
+    assert [grid(n) for n in (1, 2, 3, 4, 7, 14)] == [(1, 1), (1, 2), (1, 3), (2, 2), (3, 3), (5, 3)]
+    s = sweep.load_sweep("tiny.yaml")
+    rows = sweep.read_rows(_committed_tiny(tmp_path / "out"), sweep.columns(s))
+    for png in write_plots(s, rows, tmp_path / "out"):
+        height, width = matplotlib.image.imread(png).shape[:2]
+        assert width <= 1700 and height <= 2200, (png.name, width, height)

@@ -38,7 +38,7 @@ import numpy as np
 
 import muser_ti as mt
 from muser_ti import backend, bandwidth, ladder
-from muser_ti.cli import ArgumentParser, Interrupted, guarded, need
+from muser_ti.cli import ArgumentParser, Interrupted, guarded, need, progress_bars
 from muser_ti.config import NOPE, SWA, SWEEP_DIR, read_yaml, resolve_config_path, top_level
 from muser_ti.planes import PlaneError, PlaneSet
 from muser_ti.reference import relative_error
@@ -327,7 +327,7 @@ def run_sweep(sweep: Sweep, out_dir: Path, fresh: bool = False, quiet: bool = Fa
     need("rich", "muser-sweep", "its progress bar")
     if plots:
         need("matplotlib", "muser-sweep", "its plots; --no-plots writes the CSV and the table without it")
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     csv_path = out_dir / f"{sweep.name}.csv"
     cols = columns(sweep)
@@ -340,13 +340,16 @@ def run_sweep(sweep: Sweep, out_dir: Path, fresh: bool = False, quiet: bool = Fa
         csv_path.unlink()
     floor = sweep.run["floor_gbps"] or (measure_copy_gbps() if todo else None)
     new_file = not csv_path.exists()
-    with csv_path.open("a", newline="") as f, Progress(
+    already = len(sweep.points) - len(todo)
+    # no bar for a sweep with nothing left to run: main's line says so (a bar would read "0/0")
+    with csv_path.open("a", newline="") as f, progress_bars(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            disable=quiet) as progress:
+            disable=quiet or not todo) as progress:
         writer = csv.DictWriter(f, fieldnames=cols)
         if new_file:
             writer.writeheader()
-        task = progress.add_task(f"{sweep.name}: {len(done)} done before", total=len(todo))
+        resumed = f", resuming: {already} of {len(sweep.points)} points already in the CSV" if already else ""
+        task = progress.add_task(f"{sweep.name}{resumed}", total=len(todo))
         measured = 0
         try:
             for p in todo:
@@ -365,6 +368,15 @@ def run_sweep(sweep: Sweep, out_dir: Path, fresh: bool = False, quiet: bool = Fa
     md = write_markdown(sweep, rows, out_dir)
     pngs = write_plots(sweep, rows, out_dir) if plots else []
     return {"executed": len(todo), "skipped": len(sweep.points) - len(todo), "csv": csv_path, "md": md, "png": pngs}
+
+
+def outcome(name: str, executed: int, skipped: int, csv_path: Path) -> str:
+    """What a run did: measured every point, resumed after the CSV's, or found them all there."""
+    if not executed:
+        return f"{name}: all {skipped} points already in {csv_path}; nothing to run (--fresh measures them again)"
+    if skipped:
+        return f"{name}: resumed: ran {executed} point(s) after the {skipped} already in {csv_path}"
+    return f"{name}: ran {executed} point(s) into {csv_path}"
 
 
 def parser() -> ArgumentParser:
@@ -391,7 +403,7 @@ def main(argv=None) -> int:
         print(f"{len(sweep.points)} points, all valid")
         return 0
     res = run_sweep(sweep, Path(args.out), fresh=args.fresh, plots=not args.no_plots)
-    print(f"{sweep.name}: ran {res['executed']} point(s), skipped {res['skipped']} already in {res['csv']}")
+    print(outcome(sweep.name, res["executed"], res["skipped"], res["csv"]))
     print(f"wrote {res['md']}" + "".join(f", {p}" for p in res["png"]))
     return 0
 

@@ -87,6 +87,16 @@ def _rel(p: Path, shipped: Path | None = None) -> str:
         return str(p)
 
 
+PANEL = (5.0, 3.8)  # inches a panel (at 110 dpi: 550 x 418 pixels)
+MAX_COLUMNS = 3  # panels a row: a figure stays readable at a page's width (three panels, about 1,650 pixels)
+
+
+def grid(n: int) -> tuple[int, int]:
+    """(rows, columns) for n panels: at most MAX_COLUMNS a row, the rows as even as they can be."""
+    rows = -(-n // MAX_COLUMNS)
+    return rows, -(-n // rows)
+
+
 def write_plots(sweep, rows: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -103,8 +113,14 @@ def write_plots(sweep, rows: list[dict], out_dir: Path) -> list[Path]:
 
     def frame(title, ylabel, logy=True):
         n = len(groups)
-        fig, axs = plt.subplots(1, n, figsize=(5.5 * n, 4.2), squeeze=False, sharey=True)
-        for ax, (label, g) in zip(axs[0], groups.items()):
+        rows, cols = grid(n)
+        # constrained layout keeps the figure's title clear of the first row's (tight_layout overlaps them)
+        fig, axs = plt.subplots(rows, cols, figsize=(PANEL[0] * cols, PANEL[1] * rows), squeeze=False, sharey=True,
+                                layout="constrained")
+        panels = list(axs.flat)
+        for ax in panels[n:]:
+            ax.set_visible(False)  # the last row's empty places
+        for ax, (label, g) in zip(panels, groups.items()):
             ax.set_title(label if n > 1 else title, fontsize=9)
             ax.set_xlabel(x)
             if numeric and max(xs(g)) / max(min(xs(g)), 1) > 50:
@@ -114,9 +130,10 @@ def write_plots(sweep, rows: list[dict], out_dir: Path) -> list[Path]:
             if not numeric:
                 ax.set_xticks(xs(g), [r[x] for r in g], rotation=30, fontsize=7)
             ax.grid(True, alpha=0.3)
-        axs[0][0].set_ylabel(ylabel)
+        for row in axs:
+            row[0].set_ylabel(ylabel)
         fig.suptitle(f"{sweep.name}: {title}", fontsize=10)
-        return fig, axs[0]
+        return fig, panels[:n]
 
     paths = []
     # 1. time per token against x, per route, with the bandwidth floor (dashed) of the same bytes.
@@ -165,7 +182,6 @@ def write_plots(sweep, rows: list[dict], out_dir: Path) -> list[Path]:
 
 
 def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
 
