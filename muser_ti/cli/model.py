@@ -3,7 +3,7 @@
 The model is transformers' own ``MuseGlimmerForConditionalGeneration`` or mlx-lm's own ``muse_glimmer.Model``:
 a local checkpoint (``--checkpoint DIR``, nothing is downloaded), or else a Glimmer with random weights whose
 attention geometry is the config's (glimmer.yaml: 52 layers, 32 query heads over 2 KV heads, head_dim 128,
-window 2,048) and whose width is cut (muser_ti/integrations/random_glimmer.py).  The framework's own attention
+window 2,048) and whose width is cut (muser_ti/random_glimmer.py).  The framework's own attention
 computes the prompt, the engine ingests its K/V layer by layer, then every decoded token's 52 attentions run
 on the engine (muser_ti/integrations/).  It prints the whole model's tokens/s and the attention's share of a
 token, the routes, and the agreement with the framework's own attention: the same tokens run through the
@@ -64,7 +64,7 @@ class TransformersRun:
         import torch
 
         from ..integrations import transformers as mt_hf
-        from ..integrations.random_glimmer import transformers_model
+        from ..random_glimmer import transformers_model
 
         self.torch, self.mt_hf = torch, mt_hf
         mt_hf.register()
@@ -113,7 +113,7 @@ class MlxRun:
         import mlx.core as mx
 
         from ..integrations import mlx_lm as mt_mlx
-        from ..integrations.random_glimmer import mlx_model
+        from ..random_glimmer import mlx_model
 
         self.mx = mx
         if checkpoint:
