@@ -19,6 +19,7 @@ def test_the_model_runs_with_the_engine_as_its_attention(framework, module):
                       "--arch", "cpu", "--json", timeout=600)
     assert out.returncode == 0, out.stderr
     s = json.loads(out.stdout)  # only JSON on stdout
+    assert "prompt:" not in out.stderr  # --json: no progress bars, as muser-decode's
     assert s["framework"] == framework and s["layers"] == 4 and len(s["generated"]) == 6
     assert s["routes"] == {"splitk": 3 * 6, "interleaved": 6}
     assert s["planes"]["nope"]["len"] == 66 and s["planes"]["nope"]["capacity"] == 128
@@ -51,3 +52,17 @@ def test_a_missing_framework_says_how_to_install_it_as_installed_here(tmp_path, 
             f"sys.exit(main(['--framework', {framework!r}, '--arch', 'cpu']))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert_one_error_line(out, f"--framework {framework} needs {module}", f"pip install -e '.[{extra}]'")
+
+
+def test_the_model_says_what_it_is_doing(tmp_path):
+    """Each phase is a progress bar on standard error that names it (an mlx run printed nothing for minutes);
+    standard output holds the report alone."""
+    pytest.importorskip("transformers")
+    out = run_command("model", "--layers", "4", "--prompt-tokens", "60", "--tokens", "2", "--arch", "cpu", timeout=600)
+    assert out.returncode == 0, out.stderr
+    bars = [line for line in out.stderr.splitlines() if not line.startswith("[Taichi]")]
+    for words in ("build: transformers' Glimmer, 4 random layers", "1/1", "prompt: 60 tokens; layers' K/V into the "
+                  "engine", "4/4", "decode: the engine's attention on cpu", "2/2", "check: 61 tokens, transformers' "
+                  "attention"):
+        assert any(words in line for line in bars), (words, bars)
+    assert out.stdout.startswith("transformers: random-weight Glimmer") and "━" not in out.stdout

@@ -21,9 +21,12 @@ from pathlib import Path
 import numpy as np
 
 from ..backend import ARCHS
-from . import ArgumentParser, CommandError, guarded, install_hint, nonnegative_int, positive_int
+from ..config import load_config
+from . import (ArgumentParser, CommandError, guarded, install_hint, need, nonnegative_int, positive_int,
+               progress_bars)
 
 FRAMEWORKS = {"transformers": ("transformers", "hf"), "mlx": ("mlx_lm", "mlx")}
+FRAMEWORK_OWNER = {"transformers": "transformers'", "mlx": "mlx-lm's"}
 
 
 def _need_framework(name: str):
@@ -143,34 +146,74 @@ class MlxRun:
 RUNS = {"transformers": TransformersRun, "mlx": MlxRun}
 
 
-def run(args) -> dict:
-    from ..config import load_config
-    from ..tolerances import model_logit_rtol_f16_planes
+def _ingestion_counted(engine, advance) -> None:
+    """Call ``advance()`` for every layer whose prompt K/V the engine ingests (Engine.prompt's store), as the
+    framework's forward over the prompt reaches it: the prompt pass's progress, layer by layer."""
+    open_prompt = engine.prompt
 
+    def prompt(n):
+        opened = open_prompt(n)
+        store = opened.store
+
+        def counted(*args):
+            store(*args)
+            advance()
+
+        opened.store = counted
+        return opened
+
+    engine.prompt = prompt
+
+
+def run(args) -> dict:
     _need_framework(args.framework)
+    need("rich", "muser-model", "its progress bars")
     if args.checkpoint and not (Path(args.checkpoint) / "config.json").is_file():
         raise CommandError(f"--checkpoint {args.checkpoint}: no config.json there (a local checkpoint folder: "
                            f"config.json and the weights; nothing is downloaded)")
+    if args.device != "cpu" and args.framework != "transformers":
+        raise CommandError(f"--device {args.device}: only transformers' model moves to a device here (mlx runs where "
+                           f"mlx runs: Metal on a Mac, the CPU elsewhere)")
     geometry = load_config(args.config)
     if args.layers:
         if args.layers > geometry.n_layers:
             raise CommandError(f"--layers {args.layers}: the config has {geometry.n_layers} layers")
         geometry = geometry.with_overrides(n_layers=args.layers)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+    # as muser-decode's: on unless --json; on standard error, so standard output holds the report (or the JSON) alone
+    with progress_bars(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn(),
+                       disable=args.json, console=Console(stderr=True)) as progress:
+        return measure(args, geometry, progress)
+
+
+def measure(args, geometry, progress) -> dict:
+    """Build the model, run the prompt, decode, and check the agreement, each a progress task saying what it does."""
+    from ..tolerances import model_logit_rtol_f16_planes
+
+    owner = FRAMEWORK_OWNER[args.framework]
+    what = "checkpoint" if args.checkpoint else f"Glimmer, {geometry.n_layers} random layers"
+    task = progress.add_task(f"build: {owner} {what}", total=1)
     build0 = time.perf_counter()
-    if args.device != "cpu" and args.framework != "transformers":
-        raise CommandError(f"--device {args.device}: only transformers' model moves to a device here (mlx runs where "
-                           f"mlx runs: Metal on a Mac, the CPU elsewhere)")
     r = RUNS[args.framework](geometry, args.checkpoint, args.arch, args.seed, args.device)
     built = time.perf_counter() - build0
+    progress.update(task, completed=1)
     engine = r.engine
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(0, r.vocab, size=args.prompt_tokens, dtype=np.int64)
     spent = [0.0]
     _timed_attention(engine, spent)
+    # a layer a step: the framework's attention computes the layer's prompt, the engine takes its K/V
+    task = progress.add_task(f"prompt: {args.prompt_tokens} tokens; layers' K/V into the engine",
+                             total=engine.cfg.n_layers)
+    _ingestion_counted(engine, lambda: progress.advance(task))
     t0 = time.perf_counter()
     logits = [r.prompt(prompt)]
     prompt_s = time.perf_counter() - t0
+    progress.update(task, completed=engine.cfg.n_layers)
     tokens, times, attention = [], [], []
+    task = progress.add_task(f"decode: the engine's attention on {engine.arch}", total=args.tokens)
     for _ in range(args.tokens):
         tokens.append(int(np.argmax(logits[-1])))
         spent[0] = 0.0
@@ -178,6 +221,7 @@ def run(args) -> dict:
         logits.append(r.step(tokens[-1]))
         times.append(time.perf_counter() - t0)
         attention.append(spent[0])
+        progress.advance(task)
     steady = times[1:] or times  # the first decoded token builds the kernels (or loads them from the cache)
     token_s, attention_s = float(np.median(steady)), float(np.median(attention[1:] or attention))
     summary = {
@@ -187,10 +231,13 @@ def run(args) -> dict:
         "token_ms": token_s * 1e3, "tokens_per_s": 1.0 / token_s, "attention_ms": attention_s * 1e3,
         "attention_share": attention_s / token_s, "routes": dict(engine.route_counts), "generated": tokens,
         "planes": {kind: dict(vars(ps.state)) for kind, ps in engine.planes.items()},
+        "agreement": None,
     }
     if args.check:
         ids = np.concatenate([prompt, np.asarray(tokens[:-1], np.int64)]) if tokens else prompt
+        task = progress.add_task(f"check: {len(ids)} tokens, {owner} attention", total=1)
         ref = r.reference(ids, args.prompt_tokens - 1)
+        progress.update(task, completed=1)
         got = np.stack(logits[:len(ref)])
         rel = np.abs(got - ref).max(axis=1) / np.abs(ref).max(axis=1)
         bound = model_logit_rtol_f16_planes(engine.cfg.n_layers)
