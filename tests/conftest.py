@@ -4,6 +4,7 @@ Vulkan runs on Mesa's software driver lavapipe in CI; where no Vulkan device exi
 tests are skipped with that reason, never silently dropped.
 """
 
+import signal
 import sys
 
 import pytest
@@ -37,3 +38,13 @@ def arch(request):
     except backend.BackendError as exc:
         pytest.skip(f"{name} backend unavailable on this machine: {exc}")
     return name
+
+
+@pytest.fixture
+def default_sigint():
+    """SIGINT's default Python handler (KeyboardInterrupt) for one test: a suite started as a background job
+    (`cmd &`) inherits SIGINT ignored, which a test of Ctrl-C must not."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+

@@ -243,6 +243,14 @@ def test_an_editable_install_is_found_from_pips_record(tmp_path, monkeypatch):
     assert cli.checkout() is None
 
 
+def sigint_default_in_child():
+    """preexec_fn of a child the test interrupts: SIGINT's default action whatever this process inherited (a
+    suite started as a background job inherits it ignored); Python then installs its KeyboardInterrupt handler."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_decode_interrupted_prints_one_line_after_the_token(tmp_path):
     """Ctrl-C mid-decode: one `interrupted after N of M decoded tokens` line, status 130, no traceback."""
     import signal
@@ -253,7 +261,8 @@ def test_decode_interrupted_prints_one_line_after_the_token(tmp_path):
     config.write_text(yaml.safe_dump(geometry))
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "decode.py"), "--config", str(config), "--arch", "cpu",
                              "--pinned", "off", "--start-depth", "70", "--tokens", "100000", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            preexec_fn=sigint_default_in_child)
     try:
         seen = ""
         deadline = time.monotonic() + 240

@@ -245,7 +245,7 @@ def test_an_exception_at_any_line_of_a_call_leaves_it_done_or_not_done(tmp_path,
     assert n > 20  # the call's lines were all visited
 
 
-def test_ctrl_c_during_a_commit_lands_after_it(monkeypatch):
+def test_ctrl_c_during_a_commit_lands_after_it(monkeypatch, default_sigint):
     """SIGINT during the commit section is held back to its end: the token is written and counted, then the
     KeyboardInterrupt arrives."""
     import signal
