@@ -1,9 +1,9 @@
-"""The commands: muser-decode (decode.py), muser-sweep (sweep.py), muser-bench (bench.py).
+"""The commands: muser-decode (decode.py), muser-sweep (sweep.py), muser-bench (bench.py), muser-model (model.py).
 
 Each is also ``python scripts/NAME.py`` from a checkout, and ``python -m muser_ti.cli.NAME``.
 
 What a user of any command sees when something is wrong is one line on standard error, ``error: ...``,
-and exit status 2: a bad option value (argparse's own errors included), a missing file, a backend this
+and exit status 2: a bad option value (argparse's own errors included), a file it cannot use, a backend this
 machine does not have (with what would make it available), a config, route or pinned-library refusal.
 Ctrl-C prints one line, ``interrupted ...`` (how far the command got), and exits 130, the shell's status for
 a process ended by SIGINT (128 + 2): a script running the command tells an interruption from bad input.
