@@ -373,6 +373,7 @@ def test_the_pinned_line_says_one_thing_on_a_gpu_arch(capsys):
     print_summary(summary)
     line = " ".join(capsys.readouterr().out.split()).split("pinned llama library: ")[1]
     assert line.startswith("not in use: ") and "not loaded" not in line and line.count("not in use") == 1
+    assert "is loaded" not in why  # nor does the engine's own refusal of pinned='on' there ("not loaded: ...")
 
 
 def test_the_capacity_minimum_is_the_planes_own(monkeypatch):

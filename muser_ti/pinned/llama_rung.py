@@ -55,7 +55,7 @@ def pinned_status(arch: str) -> tuple[bool, str]:
     if not ok:
         return False, why
     if arch != "cpu":
-        return False, (f"{why} is loaded, but its kernel runs on the CPU and cannot read planes in {arch} "
+        return False, (f"{why} is installed, but its kernel runs on the CPU and cannot read planes in {arch} "
                        "memory; the ladder falls to the project's kernels")
     return True, why
 
