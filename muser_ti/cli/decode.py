@@ -30,8 +30,9 @@ from muser_ti.engine import PINNED_MODES
 from muser_ti.interrupts import held_back
 from muser_ti.reference import relative_error
 
-# What a cold compile of the main job costs, measured (muser-decode --config glimmer.yaml, an empty Taichi cache)
-COLD_COMPILE = "~40 s for Glimmer"
+# What a cold compile of the main job took, measured: muser-decode --config glimmer.yaml with TI_OFFLINE_CACHE_FILE_PATH
+# an empty folder, 64 s in all (60 s of it the first step), on a 2-core Intel Xeon VM shared with a test run
+COLD_COMPILE = "Glimmer's took 64 s on a 2-core VM"
 
 
 def parser() -> ArgumentParser:
@@ -143,8 +144,9 @@ def check_route(route: str | None, pinned: str, eng: mt.Engine) -> None:
 
 
 def compile_notice(cfg: mt.Geometry) -> str:
-    return (f"compiling kernels ({cfg.name}'s first run with these options: {COLD_COMPILE} on a 2-core CPU; "
-            f"Taichi keeps them in {kernel_cache.shown_folder()})")
+    """The line a run whose kernels are not in Taichi's cache prints first (kernel_cache.Watch decides)."""
+    return (f"compiling kernels (the first run of {cfg.name} with these options; {COLD_COMPILE}; Taichi keeps "
+            f"them in {kernel_cache.shown_folder()})")
 
 
 def run(args) -> dict:
