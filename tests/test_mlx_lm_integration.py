@@ -42,7 +42,7 @@ from mlx_glimmer import VOCAB, build_draft, build_glimmer, prompt_tokens  # noqa
 
 PROMPT = 2040
 DECODE = 72  # >= 64 decoded tokens: positions 2,040..2,111 cross the NoPE growth at 2,048 and the ring's wrap
-ROLLBACK = 4  # the rings' slack: speculative decoding below drafts 3 tokens a round
+ROLLBACK = 4  # tokens a trim takes back (rings of 3 rows' slack): speculative decoding below drafts 3 a round
 NUM_DRAFT = 3
 SNAP_AT = 24  # the mid-generation snapshot: after the logits of decode step SNAP_AT
 ARCH = "cpu"
@@ -244,7 +244,7 @@ def test_teacher_forced_logits_within_the_f16_bound(glimmer):
 
 def test_ring_wraps_and_nope_plane_grows_during_decode(glimmer):
     """The run crosses both events while the engine decodes: the NoPE planes grow from 2,048 to 4,096 rows and
-    the rings (2,048 + ROLLBACK rows) wrap, and every layer took the engine's routes."""
+    the rings (2,048 + ROLLBACK - 1 rows) wrap, and every layer took the engine's routes."""
     R = glimmer
     assert R.after_prompt_position == PROMPT - 1
     assert R.positions == list(range(PROMPT, PROMPT + DECODE + 1))
@@ -253,7 +253,7 @@ def test_ring_wraps_and_nope_plane_grows_during_decode(glimmer):
     assert nope[0].capacity == 2048 and nope[-1].capacity == 4096, (nope[0], nope[-1])
     assert nope[-1].len == PROMPT + DECODE
     assert swa[0].origin_logical == 0 and swa[-1].origin_logical > 0, (swa[0], swa[-1])
-    assert swa[-1].len == swa[-1].capacity == 2048 + ROLLBACK
+    assert swa[-1].len == swa[-1].capacity == 2048 + ROLLBACK - 1
     n_swa = sum(1 for k in R.engine.cfg.layer_kinds if k == SWA)
     steps = DECODE + 1
     assert sum(R.route_counts.values()) == steps * R.n_layers
@@ -398,7 +398,7 @@ def test_speculative_through_many_ring_wraps_equals_greedy():
                                                        num_draft_tokens=NUM_DRAFT, max_tokens=80)]
     assert spec == greedy
     ring = cache[0].engine.planes[SWA].state
-    assert ring.capacity == 32 + NUM_DRAFT and ring.origin_logical > 2 * ring.capacity, ring  # wrapped twice or more
+    assert ring.capacity == 32 + NUM_DRAFT - 1 and ring.origin_logical > 2 * ring.capacity, ring  # wrapped twice or more
     assert len(calls) > 10
 
 
@@ -519,7 +519,7 @@ def test_trim_rewinds_once_and_refuses_past_the_rings(glimmer):
     assert eng.position == start - 2 and calls == [(start, start - 2)]
     assert all(c.offset == start - 2 for c in cache)
     before = _engine_state(eng)
-    with pytest.raises(EngineError, match="rollback=4"):
+    with pytest.raises(EngineError, match=r"takes back 4 token\(s\) at any point; make_cache\(model, rollback=N\)"):
         trim_prompt_cache(cache, ROLLBACK)  # 2 already taken: 4 more is past the slack
     assert eng.position == start - 2 and _same_state(_engine_state(eng), before)
     assert cache[0].session.rewinds == 1
@@ -537,7 +537,7 @@ def test_protocol_surface(glimmer, tmp_path):
     assert all(c.offset == PROMPT - 1 for c in cache) and not cache[0].empty()
     assert [c.size() for c in cache] == [PROMPT - 1] * R.n_layers
     per_row = eng.cfg.n_kv_heads * eng.cfg.head_dim * 2 * 2
-    assert [c.nbytes for c in cache] == [(2048 + ROLLBACK if k == SWA else 2048) * per_row for k in kinds]
+    assert [c.nbytes for c in cache] == [(2048 + ROLLBACK - 1 if k == SWA else 2048) * per_row for k in kinds]
     assert cache[0].make_mask(1, window_size=2048) is None and cache[0].make_mask(4) is None
     fresh = mt_mlx.make_cache(R.model, arch=ARCH)
     assert fresh[0].empty() and fresh[0].offset == 0

@@ -182,7 +182,7 @@ def _assisted(model, ids, draft, name):
     draft.generation_config.num_assistant_tokens = DRAFT_TOKENS
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0  # draft all DRAFT_TOKENS, however unsure
-    cache = _cache(model, rollback=DRAFT_TOKENS - 1)  # a full ring takes back its slack + 1
+    cache = _cache(model, rollback=DRAFT_TOKENS)  # crop takes back up to the draft's length
     forwards = []
     hook = model.register_forward_pre_hook(lambda mod, args, kw: forwards.append(kw["input_ids"].shape[1]),
                                            with_kwargs=True)
@@ -328,8 +328,8 @@ def test_assisted_decoding_with_accepted_drafts_equals_greedy(model, engine_gree
 
 
 def test_assisted_decoding_refuses_a_draft_longer_than_the_rollback(model):
-    cache = _cache(model, rollback=2)
-    with pytest.raises(EngineError, match=r"roll back up to 4 token\(s\).*take back 3 .*rollback=3\)"):
+    cache = _cache(model, rollback=3)
+    with pytest.raises(EngineError, match=r"roll back up to 4 token\(s\).*take back 3 .*rollback=4\)"):
         cache.activate_past_recording(recurrent_states_to_keep=4)
     cache.activate_past_recording(recurrent_states_to_keep=3)
 
@@ -403,7 +403,8 @@ def test_crop_rewinds_and_refuses_past_the_rings(model, reference, teacher):
     tokens, _ = reference
     cache = _resumed(model, teacher)  # rollback 0, rings full
     position = cache.get_seq_length()
-    with pytest.raises(EngineError, match=r"rollback=0\) takes back 1 token"):
+    with pytest.raises(EngineError, match=r"this cache takes back 1 token\(s\) at any point; MuserCache\(config, "
+                                          r"rollback=N\) takes back N"):
         cache.crop(-2)
     with pytest.raises(ValueError, match="positive value"):
         cache.crop(3)
@@ -435,7 +436,8 @@ def test_padding_is_refused(model):
 
 def test_a_model_without_muser_attention_is_refused(model):
     cache = _cache(model)
-    with pytest.raises(EngineError, match="did not run through attn_implementation='muser_ti'"):
+    with pytest.raises(EngineError, match=r"attention did not run through the engine \(build the model with "
+                                          r"attn_implementation='muser_ti'"):
         _attn(model, "sdpa")(input_ids=_ids(model, 6), cache=cache)
     assert cache.get_seq_length() == 0 and cache.engine.open_token is None
 

@@ -34,10 +34,10 @@ A forward that raises between layers leaves its token open; the next call on the
 layer 0, ``trim``, :func:`save_cache`) abandons it first, so the engine is exactly as before that forward.
 
 Rollback.  ``trim(n)`` is ``Engine.rewind(position - n)``; mlx-lm trims every layer's cache by the same n, and
-the shared engine rewinds once.  A sliding-window ring keeps only its window unless the geometry gives it
-slack, so ``make_cache(model, rollback=N)`` builds rings that roll back N tokens (``swa_ring_slack=N``);
-mlx-lm's speculative loop trims at most ``num_draft_tokens`` a round.  ``is_trimmable()`` is a property of
-the cache, not of the moment: True where ``rollback > 0`` (or the model has no sliding layers).  It never
+the shared engine rewinds once.  ``make_cache(model, rollback=N)`` takes back up to N tokens at any point
+(integrations/forward.py says how the rings hold them; transformers' ``MuserCache(config, rollback=N)`` means the
+same); mlx-lm's speculative loop trims at most ``num_draft_tokens`` a round.  ``is_trimmable()`` is a property of
+the cache, not of the moment: True where it was built with ``rollback > 0`` (or the model has no sliding layers).  It never
 turns False mid-generation because mlx-lm's ``trim_prompt_cache`` silently skips a cache that says it cannot
 trim (mlx-lm's own RotatingKVCache does that once its ring is full, and a speculative run then keeps the
 rejected draft tokens); a trim past what the rings hold is refused with EngineError, the cache unchanged.
@@ -58,9 +58,10 @@ from mlx_lm.models import base as _mlx_base
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from .. import Engine, geometry_from_model_config
+from .. import Engine
 from ..config import NOPE, SWA
 from ..errors import EngineError
+from . import forward as fwd
 
 __all__ = ["MuserKVCache", "MuserSession", "install", "load_cache", "make_cache", "save_cache",
            "scaled_dot_product_attention", "uninstall"]
@@ -144,24 +145,17 @@ class _Unserializable:
 _UNSERIALIZABLE = _Unserializable()
 
 
-class MuserSession:
-    """One engine shared by a model's per-layer caches, and the forward in flight on it."""
+class MuserSession(fwd.Forward):
+    """One engine shared by a model's per-layer caches, and the forward in flight on it (integrations/forward.py),
+    with mlx-lm's side: the dispatcher's attention call and the per-layer trims of a round."""
 
-    def __init__(self, engine: Engine, model_args=None):
-        self.engine = engine
+    def __init__(self, engine: Engine, model_args=None, trimmable: bool = True):
+        super().__init__(engine, "MuserKVCache.update_and_fetch",
+                         f"the model module's '{_NAME}' is not the one install() puts there")
+        self.owner = self
         self.model_args = model_args
-        self.n_layers = engine.cfg.n_layers
-        self._open = None  # the Token or Prompt opened by layer 0 of the forward in flight
-        self._mode = None  # "prompt" | "token"
-        self._pending = None  # (layer, keys, values) update_and_fetch returned, for the attention to consume
-        self._trim_round = None  # (n, position after the rewind, layers that have trimmed)
-        self.rewinds = 0  # trims that dropped tokens (one per round of per-layer trims), for tests and users
-        self.tokens_rewound = 0
-
-    @property
-    def rollback(self) -> int:
-        """Tokens a trim can take back once the rings are full (the rings' slack beyond the window)."""
-        return self.engine.cfg.swa_ring_slack
+        self.trimmable = trimmable or not engine.cfg.swa_layers  # what is_trimmable() says (MuserKVCache)
+        self._trim_round = None  # (n, position after the rewind, layers that have trimmed, tokens taken back)
 
     def __repr__(self) -> str:
         return (f"<MuserSession: {self.n_layers} layers at position {self.engine.position}, arch {self.engine.arch}, "
@@ -169,57 +163,22 @@ class MuserSession:
 
     # ---- a forward ---------------------------------------------------------------------------------------
     def _update(self, layer: int, keys, values):
-        L = self.n_layers
         shape = tuple(keys.shape)
         if len(shape) != 4 or tuple(values.shape)[:3] != shape[:3]:
             self.recover()
             raise EngineError(f"MuserKVCache.update_and_fetch layer {layer}: keys {shape} and values "
                               f"{tuple(values.shape)}, expected both [batch, kv_heads, tokens, head_dim]")
-        batch, n = shape[0], shape[2]
-        if batch != 1:
+        if shape[0] != 1:
             self.recover()
-            raise EngineError(f"muser_ti's mlx-lm cache runs one sequence: batch size {batch}, expected 1 (batching "
+            raise EngineError(f"muser_ti's mlx-lm cache runs one sequence: batch size {shape[0]}, expected 1 (batching "
                               f"is not supported yet); the engine is as before this forward")
         self._trim_round = None
-        if layer == 0:
-            self.recover()
-            eng = self.engine
-            if n > 1 and eng.position == 0:
-                self._mode, self._open = "prompt", eng.prompt(n)
-            else:
-                self._mode, self._open = "token", eng.token(n)
-        else:
-            problem = None
-            if self._open is None or not self._open.is_open:
-                problem = (f"layer {layer} arrived with no forward open (layer 0 opens it): layers must run "
-                           f"0..{L - 1} in order")
-            elif self._pending is not None:
-                problem = (f"layer {self._pending[0]}'s attention did not go through muser_ti's dispatcher (the model "
-                           f"module's '{_NAME}' is not the one install() puts there), so the engine never saw it")
-            elif layer != self._open.next_layer:
-                problem = f"layer {layer} arrived where layer {self._open.next_layer} was next"
-            elif n != self._open.n:
-                problem = f"layer {layer} has {n} token(s), the forward opened with {self._open.n}"
-            if problem is not None:
-                self.recover()
-                raise EngineError(f"MuserKVCache.update_and_fetch: {problem}; the engine is as before this forward")
-        self._pending = (layer, keys, values)
+        self.hand(layer, shape[2], keys, values)
         return keys, values
 
-    def recover(self) -> None:
-        """Abandon what a forward that raised left open (the engine goes back to before that forward).  The next
-        forward, trim and save_cache do this themselves."""
-        self._pending = None
-        opened, self._open, self._mode = self._open, None, None
-        if opened is not None and opened.is_open:
-            opened.abandon()
-
     def _attend(self, layer, queries, keys, values, scale, mask, sinks):
-        pending, self._pending = self._pending, None
         try:
-            if pending is None or pending[0] != layer or pending[1] is not keys or pending[2] is not values:
-                raise EngineError(f"muser_ti attention, layer {layer}: called without this layer's update_and_fetch "
-                                  f"just before it (or with other keys/values than it returned)")
+            self.take(layer, keys, values, "muser_ti attention")
             if sinks is not None:
                 raise EngineError(f"muser_ti attention, layer {layer}: attention sinks are not supported by the engine")
             cfg = self.engine.cfg
@@ -230,22 +189,19 @@ class MuserSession:
             B, H, n, D = queries.shape
             if B != 1:
                 raise EngineError(f"muser_ti's mlx-lm cache runs one sequence: batch size {B}, expected 1")
-            opened = self._open
-            if self._mode == "prompt":
+            if self.mode == "prompt":
                 out = _ORIGINAL(queries, keys, values, cache=None, scale=scale, mask=mask)
-                opened.store(layer, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
+                self.store(layer, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
             else:
                 if n == 1:
-                    got = opened.attend(layer, queries[0, :, 0, :], keys[0, :, 0, :], values[0, :, 0, :])
+                    got = self.attend(layer, queries[0, :, 0, :], keys[0, :, 0, :], values[0, :, 0, :])
                 else:
-                    got = opened.attend(layer, queries[0].transpose(1, 0, 2), keys[0].transpose(1, 0, 2),
-                                        values[0].transpose(1, 0, 2))
+                    got = self.attend(layer, queries[0].transpose(1, 0, 2), keys[0].transpose(1, 0, 2),
+                                      values[0].transpose(1, 0, 2))
                 out = got.reshape(1, n, H, D).transpose(0, 2, 1, 3)
                 if out.dtype != queries.dtype:
                     out = out.astype(queries.dtype)
-            if layer == self.n_layers - 1:
-                self._open, self._mode = None, None
-                opened.commit()
+            self.finish(layer)
             return out
         except BaseException:
             self.recover()
@@ -258,30 +214,15 @@ class MuserSession:
         n = int(n)
         if n < 0:
             raise EngineError(f"MuserKVCache.trim({n}): expected a count >= 0")
-        eng = self.engine
         rnd = self._trim_round
-        if rnd is not None and rnd[0] == n and rnd[1] == eng.position and layer not in rnd[2]:
+        if rnd is not None and rnd[0] == n and rnd[1] == self.engine.position and layer not in rnd[2]:
             rnd[2].add(layer)
             if len(rnd[2]) == self.n_layers:
                 self._trim_round = None
             return rnd[3]
-        position = eng.position
-        n_eff = min(n, position)
-        if n_eff:
-            try:
-                eng.rewind(position - n_eff)
-            except EngineError as e:
-                raise EngineError(f"MuserKVCache.trim({n}) at position {position}: {e} (make_cache(model, "
-                                  f"rollback={self.rollback}) rolls back {self.rollback} token(s) once the rings are "
-                                  f"full: build it with a rollback that covers the longest draft)") from e
-            self.rewinds += 1
-            self.tokens_rewound += n_eff
-        self._trim_round = (n, eng.position, {layer}, n_eff) if self.n_layers > 1 else None
+        n_eff = self.rewind(n, f"MuserKVCache.trim({n})", "make_cache(model, rollback=N)")
+        self._trim_round = (n, self.engine.position, {layer}, n_eff) if self.n_layers > 1 else None
         return n_eff
-
-    def save(self, path) -> None:
-        self.recover()
-        self.engine.save(path)
 
 
 # ---- the per-layer caches --------------------------------------------------------------------------------
@@ -340,7 +281,9 @@ class MuserKVCache(_BaseCache):
         return ""
 
     def is_trimmable(self) -> bool:
-        return self.session.rollback > 0 or not self.engine.cfg.swa_layers
+        """True where the cache was built to roll back (make_cache(model, rollback=N), N > 0; a resumed session:
+        rings with slack), so mlx-lm's speculative loop refuses a plain cache at its start."""
+        return self.session.trimmable
 
     def trim(self, n: int) -> int:
         return self.session._trim(self.layer, n)
@@ -380,10 +323,10 @@ def _layer_kinds_match(model, geometry) -> None:
                               f"says {geometry.layer_kinds[i]}")
 
 
-def _caches(model, engine: Engine) -> list[MuserKVCache]:
+def _caches(model, engine: Engine, trimmable: bool) -> list[MuserKVCache]:
     _layer_kinds_match(model, engine.cfg)
     install(model)
-    session = MuserSession(engine, getattr(model, "args", None))
+    session = MuserSession(engine, getattr(model, "args", None), trimmable)
     return [MuserKVCache(session, i) for i in range(engine.cfg.n_layers)]
 
 
@@ -393,9 +336,9 @@ def make_cache(model, arch: str = "auto", *, rollback: int = 0, max_context: int
     place of ``model.make_cache()``: one Engine, built from the model's own args (``model.args``), shared by
     every layer.
 
-    ``arch``: the engine's backend (auto | cpu | cuda | vulkan | metal).  ``rollback``: tokens a trim can take
-    back once the rings are full (the rings' slack, ``swa_ring_slack``); speculative decoding needs at least its
-    ``num_draft_tokens``.  ``max_context``: the context the NoPE planes may grow to (default: the model's
+    ``arch``: the engine's backend (auto | cpu | cuda | vulkan | metal).  ``rollback``: the most tokens a trim
+    takes back at any point (integrations/forward.py; MuserCache's means the same); speculative decoding needs
+    at least its ``num_draft_tokens``.  ``max_context``: the context the NoPE planes may grow to (default: the model's
     ``max_position_embeddings``).  ``engine``: an existing Engine to wrap instead (its geometry must be the
     model's).  Other keywords go to ``mt.Engine`` (pinned=, capacity=, ...).  Installs the dispatcher
     (:func:`install`) for the model's module.
@@ -403,16 +346,9 @@ def make_cache(model, arch: str = "auto", *, rollback: int = 0, max_context: int
     args = getattr(model, "args", None)
     if args is None:
         raise EngineError(f"{type(model).__name__}: no 'args' (an mlx-lm model's ModelArgs) to read the geometry from")
-    if engine is None:
-        geometry = geometry_from_model_config(args, max_context=max_context, swa_ring_slack=rollback)
-        engine = Engine(geometry, arch=arch, **engine_options)
-    else:
-        if engine_options or max_context is not None or rollback:
-            raise EngineError("make_cache(engine=...): the engine brings its own geometry and options; pass rollback=, "
-                              "max_context= and engine options only for a new engine")
-        _check_same_geometry(engine.cfg, geometry_from_model_config(args, max_context=engine.cfg.max_context,
-                                                                    swa_ring_slack=engine.cfg.swa_ring_slack))
-    return _caches(model, engine)
+    trimmable = rollback > 0 if engine is None else engine.cfg.swa_ring_slack > 0
+    return _caches(model, fwd.build_engine(args, arch, rollback, max_context, engine, engine_options, "make_cache"),
+                   trimmable)
 
 
 def save_cache(cache, path) -> None:
@@ -439,11 +375,3 @@ def _session_of(cache) -> MuserSession:
         raise EngineError("the cache list holds layers of several engines (a speculative run's model + draft "
                           "caches?): pass the model's part, cache[:len(model.layers)]")
     return ours[0].session
-
-
-def _check_same_geometry(have, want) -> None:
-    fields = ("n_heads", "n_kv_heads", "head_dim", "n_layers", "layer_kinds", "window", "attention_scale")
-    diff = [f"{f} {getattr(have, f)!r} (model: {getattr(want, f)!r})" for f in fields
-            if getattr(have, f) != getattr(want, f)]
-    if diff:
-        raise EngineError("make_cache: the engine's geometry is not the model's: " + "; ".join(diff))
