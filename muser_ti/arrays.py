@@ -120,4 +120,56 @@ def like_input(out: np.ndarray, like):
     return arr
 
 
-__all__ = ["device_f32", "device_out", "device_resident", "framework_of", "like_input", "to_host"]
+class Stager:
+    """A caller's arrays copied, converted to float32, into fixed host arrays that compiled kernels read in place
+    (layer_launch.py: a layer's staging arrays, imported into Taichi's C-API once).  ``views``: float32 C-contiguous
+    arrays [1, ...] (q, k, v, out).  One copy per array, whatever its kind: numpy (any HOST_DTYPES), torch (any
+    device; torch converts while it copies), mlx and Taichi through to_host."""
+
+    def __init__(self, views):
+        self.views = views
+        self._torch = None  # torch views of the same memory, made when a torch tensor first comes
+
+    @staticmethod
+    def source(where: str, name: str, x, shape: tuple[int, ...]):
+        """``x`` as this call's source for ``name``: an array of ``shape`` ([n, heads, d]) or, for one token, of
+        shape[1:]; a shape or dtype it cannot take raises EngineError naming ``where`` and ``name``."""
+        kind = framework_of(x)
+        if kind == "torch":
+            t = x.detach()
+            if not t.is_floating_point():
+                raise EngineError(f"{where} {name}: dtype {t.dtype}, expected a floating dtype (float32, float16, "
+                                  f"bfloat16)")
+            got = tuple(t.shape)
+        elif kind == "numpy":
+            if isinstance(x, np.ma.MaskedArray):
+                raise EngineError(f"{where} {name}: a masked array (its mask would be ignored)")
+            if x.dtype.name not in HOST_DTYPES:
+                raise EngineError(f"{where} {name}: dtype {x.dtype}, expected one of {', '.join(HOST_DTYPES)}")
+            t, got = x, x.shape
+        else:
+            t = to_host(f"{where} {name}", x)
+            got = t.shape
+        if len(got) == len(shape) - 1 and shape[0] == 1:  # one token without its axis
+            t, got = t[None], (1, *got)
+        if got != shape:
+            raise EngineError(f"{where} {name}: shape {got}, expected {shape}")
+        return t
+
+    def put(self, i: int, src, row: int) -> None:
+        """Token ``row`` of a source (``source``) into staging array i."""
+        if isinstance(src, np.ndarray):
+            np.copyto(self.views[i][0], src[row], casting="unsafe")
+            return
+        if self._torch is None:
+            import torch
+
+            self._torch = [torch.from_numpy(v) for v in self.views]
+        self._torch[i][0].copy_(src[row])
+
+    def out(self) -> np.ndarray:
+        """The staged output, [heads, d] (a view: copy it before the next launch)."""
+        return self.views[3][0]
+
+
+__all__ = ["Stager", "device_f32", "device_out", "device_resident", "framework_of", "like_input", "to_host"]

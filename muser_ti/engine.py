@@ -26,6 +26,7 @@ from .kv_cache import LAYOUT_OF, KVCache
 from .kernels.token_scan import REFUSAL_RING
 from .device_checks import InFlight
 from .launch import Launcher
+from .layer_launch import LAUNCH_PATHS
 from .pinned import AUTO_REASON, mirror as plane_mirror, pinned_status
 from .pinned.vec import VecRung
 from .planes import PlaneState, visible_span
@@ -61,12 +62,16 @@ class Engine:
     "host" keeps one in numpy memory on any arch, to test the bookkeeping off macOS.
     device_checks: "per_token" | "deferred", how step_device learns that the device refused a token
     (step_device says how).
+    launch: how a per-layer token's kernels go out (Engine.token): "auto" (compiled, through Taichi's C-API, on
+    the CPU and CUDA; Taichi's Python launch path elsewhere, or with one warning where the C-API cannot load) |
+    "capi" (the C-API or an error) | "python".  The same kernels either way: the same bits.
     """
 
     def __init__(self, cfg: Geometry, arch: str = "auto", pinned: str = "auto", graph: str = "teacher",
                  force: str | dict | None = None, capacity: int | None = None, mirror: str | None = None,
-                 device_checks: str = "per_token"):
+                 device_checks: str = "per_token", launch: str = "auto"):
         inputs.choice("pinned", pinned, PINNED_MODES)
+        inputs.choice("launch", launch, LAUNCH_PATHS)
         inputs.choice("device_checks", device_checks, DEVICE_CHECKS)
         inputs.choice("graph", graph, GRAPHS)
         capacity = inputs.capacity(cfg, capacity)
@@ -91,7 +96,7 @@ class Engine:
         backing = plane_mirror.backing_for(self.arch, loaded, mirror)
         self.cache = KVCache(cfg, capacity, backing, serving=graph == "serving")
         self.vec = VecRung(cfg, self.cache, backing.runner(cfg) if backing is not None else None)
-        self.launcher = Launcher(cfg, self.cache, self.vec)
+        self.launcher = Launcher(cfg, self.cache, self.vec, launch)
         self.device_checks = device_checks
         self._in_flight = InFlight()  # deferred checks: the steps since the host last looked
         self._serial = 0  # commits so far: what makes a retried commit count its token once (RouteLog.record)

@@ -34,8 +34,10 @@ from .transfer import Transfer
 class Launcher:
     """An engine's kernels and launch plumbing over its cache; ``vec``: the pinned rung's side (or None)."""
 
-    def __init__(self, cfg: Geometry, cache: KVCache, vec=None):
+    def __init__(self, cfg: Geometry, cache: KVCache, vec=None, launch: str = "auto"):
         self.cfg, self.cache, self.vec = cfg, cache, vec
+        self.launch_path = launch  # a per-layer token's: layer_launch.LAUNCH_PATHS
+        self._compiled = False  # the compiled per-layer path (layer_launch.CompiledLayers), made on first use
         self.gpu = gpu = on_gpu()
         D, G, KV, H, L = cfg.head_dim, cfg.heads_per_kv, cfg.n_kv_heads, cfg.n_heads, cfg.n_layers
         # the split's workgroup target, fixed for the engine: its producers' loop bound follows from it
@@ -198,6 +200,15 @@ class Launcher:
         return vec_layers, vec_out
 
     # ---- one layer of a token (token.py) ---------------------------------------------------------
+    def compiled_layers(self):
+        """The per-layer kernels through Taichi's C-API (layer_launch.py), or None for Taichi's Python launch path
+        (launch="python", a backend the C-API does not serve, or "auto" where it cannot load)."""
+        if self._compiled is False:
+            from .layer_launch import CompiledLayers
+
+            self._compiled = CompiledLayers.create(self, self.launch_path)
+        return self._compiled
+
     def attend_layer(self, plan, layer: int, route_sizes, q1, k1, v1, out1, scan_stamp: int | None = None) -> None:
         """One layer of a planned token (Engine._plan_tokens: position, states, routes, mix) on arrays the
         kernels read: q1/out1 [1, heads, d], k1/v1 [1, kv heads, d].  The layer takes its route's kernels with
@@ -290,8 +301,10 @@ class Launcher:
                       (1, g.n_heads, g.head_dim)]
             self._layer_dev = tuple(ti.ndarray(ti.f32, shape) for shape in shapes)
             if not self.gpu:
-                self._layer_views = [host_view_f32(a) for a in self._layer_dev]
+                self._layer_views = [host_view(a) for a in self._layer_dev]
         return self._layer_dev
+
+
 
     # ---- the token's arrays ---------------------------------------------------------------------
     def upload(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple:
@@ -325,14 +338,18 @@ class Launcher:
         return tuple(self.transfer.download(a, self.shapes[name]) for name, a in (("q", q), ("k", k), ("v", v)))
 
 
-def host_view_f32(arr) -> np.ndarray:
-    """A zero-copy float32 view of a Taichi array in host memory (the CPU backend), valid while ``arr`` lives."""
+def host_view(arr) -> np.ndarray:
+    """A zero-copy view of a float32 or int32 Taichi array in host memory (the CPU backend), valid while ``arr``
+    lives."""
     import ctypes
 
     addr = ti.lang.impl.get_runtime().prog.get_ndarray_data_ptr_as_int(arr.arr)
     shape = tuple(arr.shape)
-    buf = (ctypes.c_float * int(np.prod(shape))).from_address(int(addr))
-    return np.frombuffer(buf, dtype=np.float32).reshape(shape)
+    ctype, dtype = (ctypes.c_float, np.float32) if arr.dtype == ti.f32 else (ctypes.c_int32, np.int32)
+    buf = (ctype * int(np.prod(shape))).from_address(int(addr))
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
 
 
 __all__ = ["Launcher"]

@@ -25,11 +25,12 @@ from collections import Counter
 
 import numpy as np
 
-from . import arrays, inputs, interrupts
+from . import arrays, inputs, interrupts, ladder
 from .config import F16_MAX
 from .errors import EngineError
 from .kernels import halves
 from .kernels.token_scan import REFUSAL_RING
+from .layer_launch import ScanRefused
 
 
 def _checked(where: str, name: str, a: np.ndarray, shape: tuple[int, ...], axes: tuple[str, ...]) -> np.ndarray:
@@ -194,23 +195,83 @@ class Token(_Open):
         q's kind.  Layers attend in order 0..n_layers-1, each once."""
         layer = self._check_layer("attend", layer)
         launcher = self.engine.launcher
-        where = f"attend layer {layer}"
         lead, shapes = _layer_shapes(self.cfg, self.n, q)
-        axes = {"q": ("token", "head", "d"), "k": ("token", "kv head", "d"), "v": ("token", "kv head", "d")}
         arch = self.engine.arch
-        if all(arrays.device_resident(a, arch) for a in (q, k, v)) and self._device_ok(q):
-            q3, k3, v3 = (self._device_shape(where, name, a, shapes[name])
-                          for name, a in (("q", q), ("k", k), ("v", v)))
+        device = all(arrays.device_resident(a, arch) for a in (q, k, v)) and self._device_ok(q)
+        compiled = launcher.compiled_layers()
+        if compiled is not None and not any(plan[2][layer] in ladder.PINNED_ROUTES for plan in self.plans):
+            out = self._attend_compiled(compiled, layer, q, k, v, lead, shapes, device)
+        elif device:
+            out = self._attend_device(layer, q, k, v, lead, shapes)
+        else:
+            out = self._attend_host(layer, q, k, v, lead, shapes)
+        self.next_layer += 1
+        return out
+
+    def _attend_compiled(self, compiled, layer, q, k, v, lead, shapes, device):
+        """The layer's kernels through Taichi's C-API (layer_launch.py); every input checked by the device scan,
+        whose flags the commit reads."""
+        where = f"attend layer {layer}"
+        launcher = self.engine.launcher
+        if device:
+            q3, k3, v3 = (self._device_shape(where, name, a, shapes[name]) for name, a in (("q", q), ("k", k), ("v", v)))
             out3 = arrays.device_out(q3, shapes["q"])
-            torch_in = arrays.framework_of(q3) == "torch"
             for i, plan in enumerate(self.plans):
-                # one token: the arrays whole (Taichi ndarrays have no views); n tokens: torch's row views
                 row = (q3, k3, v3, out3) if self.n == 1 else (q3[i:i + 1], k3[i:i + 1], v3[i:i + 1], out3[i:i + 1])
-                stamp = self._scan_stamp(layer)
-                if not (torch_in and launcher.attend_layer_cuda(plan, layer, self.route_sizes[i], *row, stamp)):
-                    launcher.attend_layer(plan, layer, self.route_sizes[i], *row, scan_stamp=stamp)
-            self.next_layer += 1
+                io = compiled.device_io(*row)
+                staged = io is None  # past the addresses it imports: through the staging arrays
+                if staged:
+                    compiled.stage_device(row[:3])
+                    io = compiled.staged()
+                launcher.launches += compiled.attend(plan, layer, self.route_sizes[i], io, self._scan_stamp(layer))
+                if staged:
+                    compiled.unstage_device(row[3])
             return out3 if lead else out3.reshape(shapes["q"][1:])
+        sources = [arrays.Stager.source(where, name, a, shapes[name]) for name, a in (("q", q), ("k", k), ("v", v))]
+        out = np.empty(shapes["q"], np.float32)
+        io = compiled.staged()
+        for i, plan in enumerate(self.plans):
+            for j, src in enumerate(sources):
+                compiled.put(j, src, i)
+            try:
+                launcher.launches += compiled.attend(plan, layer, self.route_sizes[i], io, self._scan_stamp(layer))
+            except ScanRefused:
+                self._refuse_host(layer, sources)
+            compiled.get_out(out[i])
+        return arrays.like_input(out if lead else out[0], q)
+
+    def _refuse_host(self, layer: int, sources) -> None:
+        """The CPU's scan refused host arrays at ``layer`` (before the layer wrote anything): the token is abandoned
+        and the error names the first bad value, as the host check words it."""
+        refused = self.engine.launcher.checks.look()  # what the scan found, every scan so far looked at
+        self.abandon()
+        where = f"attend layer {layer}"
+        axes = {"q": ("token", "head", "d"), "k": ("token", "kv head", "d"), "v": ("token", "kv head", "d")}
+        for name, src in zip("qkv", sources):
+            h = arrays.to_host(f"{where} {name}", src)
+            _checked(where, name, h, h.shape, axes[name])
+        raise EngineError(f"{where}: the scan refused its arrays ({'; '.join(refused[1]) if refused else '?'}); the "
+                          f"token at position {self.start} was abandoned and the engine is as before it")
+
+    def _attend_device(self, layer, q, k, v, lead, shapes):
+        """Taichi's Python launch path on device-resident arrays: the layer's compiled graph (launch.py)."""
+        where = f"attend layer {layer}"
+        launcher = self.engine.launcher
+        q3, k3, v3 = (self._device_shape(where, name, a, shapes[name]) for name, a in (("q", q), ("k", k), ("v", v)))
+        out3 = arrays.device_out(q3, shapes["q"])
+        torch_in = arrays.framework_of(q3) == "torch"
+        for i, plan in enumerate(self.plans):
+            # one token: the arrays whole (Taichi ndarrays have no views); n tokens: torch's row views
+            row = (q3, k3, v3, out3) if self.n == 1 else (q3[i:i + 1], k3[i:i + 1], v3[i:i + 1], out3[i:i + 1])
+            stamp = self._scan_stamp(layer)
+            if not (torch_in and launcher.attend_layer_cuda(plan, layer, self.route_sizes[i], *row, stamp)):
+                launcher.attend_layer(plan, layer, self.route_sizes[i], *row, scan_stamp=stamp)
+        return out3 if lead else out3.reshape(shapes["q"][1:])
+
+    def _attend_host(self, layer, q, k, v, lead, shapes):
+        """Taichi's Python launch path on host arrays, checked on the host first (launch.attend_layer_host)."""
+        where = f"attend layer {layer}"
+        axes = {"q": ("token", "head", "d"), "k": ("token", "kv head", "d"), "v": ("token", "kv head", "d")}
         host = {}
         for name, a in (("q", q), ("k", k), ("v", v)):
             h = arrays.to_host(f"{where} {name}", a)
@@ -218,10 +279,10 @@ class Token(_Open):
                 h = h[None]
             host[name] = _checked(where, name, h, shapes[name], axes[name])
         out = np.empty(shapes["q"], np.float32)
+        launcher = self.engine.launcher
         for i, plan in enumerate(self.plans):
             launcher.attend_layer_host(plan, layer, self.route_sizes[i], host["q"][i:i + 1], host["k"][i:i + 1],
                                        host["v"][i:i + 1], out[i:i + 1])
-        self.next_layer += 1
         return arrays.like_input(out if lead else out[0], q)
 
     def _device_ok(self, q) -> bool:

@@ -18,7 +18,7 @@ REFUSAL_RING = 256  # tokens whose flags are kept one by one between two looks a
 FLAG_CELLS = TOKEN_FLAGS * (1 + REFUSAL_RING)  # the summary, then the ring; a layer table may follow
 
 
-def build_token_scan(n_heads: int, n_kv: int, head_dim: int):
+def build_token_scan(n_heads: int, n_kv: int, head_dim: int, serial: bool = False):
     """The input checks of a device-resident token (Engine.step_device) in one launch of one loop.
 
     A flag is set to the scan's ``stamp`` (a count the engine raises every scan) rather than counted
@@ -26,7 +26,9 @@ def build_token_scan(n_heads: int, n_kv: int, head_dim: int):
     latest stamp that set it (the host reads ``flags[kind] == stamp`` after a scan), and the ring
     ``flags[TOKEN_FLAGS * (1 + stamp % REFUSAL_RING) + kind]`` holds it per token, so the host can name the
     first refused token of many scanned without a look between them (deferred checks).
-    ``not |x| <= F32_MAX`` holds for NaN (every comparison with it is false) and for +-inf."""
+    ``not |x| <= F32_MAX`` holds for NaN (every comparison with it is false) and for +-inf.
+    ``serial``: one thread (the CPU's per-layer token scans a few thousand values, sooner than its worker
+    threads wake)."""
     H, KV, D = n_heads, n_kv, head_dim
 
     def build():
@@ -54,13 +56,14 @@ def build_token_scan(n_heads: int, n_kv: int, head_dim: int):
 
         @ti.kernel
         def scan(q: f32_3d, k: f32_3d, v: f32_3d, flags: ti.types.ndarray(dtype=ti.i32, ndim=1), stamp: ti.i32):
+            ti.loop_config(serialize=serial)
             for layer, r, d in ti.ndrange(q.shape[0], H + 2 * KV, D):
                 check(q, k, v, flags, stamp, layer, r, d)
 
         scan.check = check
         return scan
 
-    return cached(("token_scan", H, KV, D), build)
+    return cached(("token_scan", H, KV, D, serial), build)
 
 
 @ti.func

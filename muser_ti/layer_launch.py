@@ -1,0 +1,377 @@
+"""One layer of a per-layer token (token.py) launched from compiled code: Taichi's C-API.
+
+A model calls the engine once a layer, 52 times a token for Glimmer.  Through Taichi's Python launch path each
+of a layer's kernels costs tens of microseconds of host time; here the layer's kernels (the token scan, the
+store where the route has one, the producer, the reducer) were compiled ahead of time (aot.py), loaded into a
+C-API runtime (capi.py), and each launch is one C call on an argument array built once per layer and patched
+in place: the token's position, the plane's origins, the split.
+
+Memory: the planes and the engine's scratch are the Python runtime's arrays, imported once by address (the
+CPU's host memory; on CUDA, device memory of the primary context both runtimes share).  The caller's arrays:
+on the CPU they are copied (converted where their dtype is not float32) into the layer's staging arrays, a few
+kilobytes, imported once: importing each new array would grow the C-API's table of allocations for ever, since
+Taichi 1.7.4 cannot free an imported CPU allocation.  On CUDA a float32 contiguous tensor is imported where it
+lies (a framework's caching allocator hands out the same few addresses token after token) up to
+``MAX_IMPORTED`` addresses, then copied into the staging arrays on the device.
+
+Checks: the token scan runs as the layer's first kernel and writes its flags; the host reads them once, when
+the token commits (token.py), and a flagged layer abandons the token, which undoes every write it made.
+
+Ordering on CUDA: Taichi 1.7.4's launcher copies each launch's arguments with an asynchronous copy on the
+legacy default stream.  The kernels therefore go on that stream too (``ti_set_cuda_stream(0)``); where the
+caller's current stream is another, the launches are fenced with events both ways (the caller's stream's work
+before them, theirs before the caller's next), so the engine orders with the model's own kernels without a
+host synchronisation.  CUDA-graph capture is refused (:func:`refuse_capture` says why).
+
+Same bits as the Python path: the same kernels (the same Taichi IR, compiled by the same LLVM) on the same
+split geometry (launch.Launcher.split_geometry); tests/test_layer_launch.py holds the two paths to each other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+
+import numpy as np
+import taichi as ti
+
+from . import aot, arrays, backend, capi, ladder
+from .config import NOPE, SWA
+from .errors import EngineError
+from .kernels.producer import plan_key
+from .kernels.token_scan import TOKEN_FLAGS, build_token_scan
+from .launch import host_view
+from .planes import visible_span, window_of
+
+LAUNCH_PATHS = ("auto", "capi", "python")
+MAX_IMPORTED = 4096  # distinct caller addresses imported on CUDA before copies take over (capi.Runtime says why)
+
+
+class ScanRefused(Exception):
+    """The CPU's scan flagged a layer's arrays: raised before any of the layer's writes (Token names the value)."""
+
+
+class CaptureRefused(EngineError):
+    """A per-layer token launched while a CUDA graph is being captured."""
+
+
+CAPTURE_REASON = (
+    "the engine's per-layer attention cannot be captured in a CUDA graph: Taichi 1.7.4's kernel launcher "
+    "allocates, fills and frees a device argument buffer around every launch, outside the capture, and the "
+    "captured kernel keeps that freed buffer's address, so a replay would read whatever last reused it; run "
+    "the engine's layers eagerly (outside torch.cuda.graph / torch.compile's CUDA graphs)")
+
+
+def _address(arr) -> int:
+    return int(ti.lang.impl.get_runtime().prog.get_ndarray_data_ptr_as_int(arr.arr))
+
+
+_NP_OF = {ti.f32: (np.float32, "f32"), ti.i32: (np.int32, "i32"), ti.u32: (np.uint32, "u32")}
+
+
+class _Imported:
+    """The Python runtime's arrays as the C-API sees them: (TiMemory, shape, dtype name) by array, made once."""
+
+    def __init__(self, rt: capi.Runtime):
+        self.rt = rt
+        self._by_id: dict[int, tuple] = {}
+
+    def __call__(self, arr) -> tuple:
+        hit = self._by_id.get(id(arr))
+        if hit is not None and hit[0] is arr:
+            return hit[1]
+        np_dtype, name = _NP_OF[arr.dtype]
+        shape = tuple(arr.shape)
+        mem = self.rt.memory(_address(arr), int(np.prod(shape)) * np.dtype(np_dtype).itemsize)
+        self._by_id[id(arr)] = (arr, (mem, shape, name))  # the array is held: its id stays its own
+        return mem, shape, name
+
+
+class CompiledLayers:
+    """A launcher's per-layer kernels through Taichi's C-API (CPU, CUDA).  Build with :meth:`create`."""
+
+    def __init__(self, launcher):
+        self.launcher, self.cfg, self.cache = launcher, launcher.cfg, launcher.cache
+        self.arch = backend.active()
+        self.gpu = launcher.gpu
+        cfg = self.cfg
+        self.rt = runtime(self.arch)
+        kernels = self._kernels(launcher)
+        path, self.compiled = aot.module_dir(self.arch, kernels)
+        module = self.rt.load_module(path)
+        self.k = {name: self.rt.kernel(module, name) for name in kernels}
+        self.imported = _Imported(self.rt)
+        H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.shapes = {"q": (1, H, D), "k": (1, KV, D), "v": (1, KV, D), "out": (1, H, D)}
+        # the layer's staging arrays: the Python runtime's, imported once (the CPU reads and writes them through
+        # numpy views)
+        self.staging = launcher.layer_device_arrays()
+        self.stager = arrays.Stager(launcher._layer_views) if not self.gpu else None
+        self._staged = tuple(self.imported(a) for a in self.staging)
+        self._args: dict[int, dict] = {}
+        self._lib = capi.library()
+        self._launch = self._lib.ti_launch_kernel
+        self._handle = self.rt.handle
+        self._stream_fence = _StreamFence() if self.arch == "cuda" else None
+        # the CPU's launches return when their kernel has run: the flags' summary is read at once, so a refused
+        # layer writes nothing and its refusal names the value (the host checks its arrays only then)
+        self._summary = None if self.gpu else host_view(launcher.checks.flags)[:TOKEN_FLAGS]
+
+    @classmethod
+    def create(cls, launcher, path: str):
+        """The compiled path for ``launcher`` where ``path`` ("auto" | "capi" | "python") asks for it and the
+        C-API works here; None for the Python path.  "auto" falls back with one warning naming why (where the
+        C-API cannot load on the CPU or CUDA); "capi" raises instead."""
+        if path not in LAUNCH_PATHS:
+            raise EngineError(f"launch={path!r}: expected one of {', '.join(LAUNCH_PATHS)}")
+        arch = backend.active()
+        if path == "python":
+            return None
+        if arch not in ("cpu", "cuda"):
+            if path == "capi":
+                raise EngineError(f"launch='capi': the engine launches through Taichi's C-API on cpu and cuda; on "
+                                  f"{arch} the planes live in the Python runtime's device, which a C-API runtime "
+                                  f"cannot share (launch='auto' takes Taichi's Python path there)")
+            return None
+        try:
+            return cls(launcher)
+        except capi.CApiError as exc:
+            if path == "capi":
+                raise EngineError(f"launch='capi': {exc}") from None
+            warnings.warn(f"muser_ti: Taichi's C-API cannot be used here ({exc}); per-layer attention takes "
+                          f"Taichi's Python launch path, tens of microseconds a kernel", RuntimeWarning, stacklevel=4)
+            return None
+
+    @staticmethod
+    def _kernels(launcher) -> dict[str, tuple]:
+        """The per-layer kernels by name, each with the key its build depends on (aot.module_key)."""
+        cfg, gpu = launcher.cfg, launcher.gpu
+        geometry = (cfg.head_dim, cfg.heads_per_kv, cfg.n_kv_heads, cfg.n_heads, gpu, launcher.items_cap,
+                    repr(plan_key(cfg.head_dim, cfg.heads_per_kv, gpu)))
+        scan = build_token_scan(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, serial=not gpu)
+        reduce_splitk = launcher.reduce_one.get(launcher.reduce_f32, launcher.reduce_f32)
+        reduce_interleaved = launcher.reduce_one.get(launcher.reduce_v2, launcher.reduce_v2)
+        kernels = {"scan": (scan, ("scan", geometry)),
+                   "splitk": (launcher.splitk, ("splitk", geometry)),
+                   "reduce_splitk": (reduce_splitk, ("reduce_f32", geometry)),
+                   "interleaved": (launcher.interleaved, ("interleaved", geometry)),
+                   "reduce_interleaved": (reduce_interleaved, ("reduce_v2", geometry))}
+        if SWA in launcher.cache.planes:
+            kernels["store"] = (launcher.cache.stores[SWA].store_token, ("store_token", geometry))
+        return kernels
+
+    # ---- per layer -------------------------------------------------------------------------------
+    def _layer_args(self, layer: int) -> dict:
+        """The layer's argument arrays, the parts that never change filled in (its layer table, the flags, the
+        scale, the window)."""
+        args = self._args.get(layer)
+        if args is not None:
+            return args
+        launcher, cache, cfg = self.launcher, self.cache, self.cfg
+        kind = cfg.layer_kinds[layer]
+        grp = cache.token_group(layer)
+        imp = self.imported
+        a = {"scan": capi.arguments(5), "store": capi.arguments(8), "producer": capi.arguments(18),
+             "reduce": capi.arguments(5), "kind": kind, "plane": None, "partials": None, "io": None}
+        flags, layers_mem, slots_mem = imp(launcher.checks.flags), imp(grp.layers_dev), imp(grp.slots_dev)
+        capi.set_ndarray(a["scan"][3], *flags)
+        p = a["producer"]
+        capi.set_ndarray(p[6], *imp(launcher._no_visits))
+        capi.set_ndarray(p[7], *layers_mem)
+        capi.set_ndarray(p[8], *slots_mem)
+        capi.set_i32(p[9], 1)
+        capi.set_i32(p[11], window_of(cfg, kind))
+        capi.set_f32(p[17], cfg.attention_scale)
+        s = a["store"]
+        capi.set_ndarray(s[4], *layers_mem)
+        capi.set_ndarray(s[5], *slots_mem)
+        capi.set_i32(s[6], 1)
+        r = a["reduce"]
+        capi.set_ndarray(r[2], *layers_mem)
+        capi.set_i32(r[3], 1)
+        self._args[layer] = a
+        return a
+
+    def _set_io(self, a: dict, io: tuple) -> None:
+        """q, k, v, out (TiMemory, shape, dtype) into every kernel of the layer that reads them."""
+        if a["io"] == io:
+            return
+        q, k, v, out = io
+        for i, m in enumerate((q, k, v)):
+            capi.set_ndarray(a["scan"][i], *m)
+            capi.set_ndarray(a["producer"][i], *m)
+        capi.set_ndarray(a["store"][0], *k)
+        capi.set_ndarray(a["store"][1], *v)
+        capi.set_ndarray(a["reduce"][1], *out)
+        a["io"] = io
+
+    def attend(self, plan, layer: int, route_sizes, io: tuple, stamp: int) -> int:
+        """Launch ``layer``'s kernels of the planned token on ``io`` = (q, k, v, out) as (TiMemory, shape, dtype);
+        returns the launches made."""
+        p, new_states, routes, _ = plan
+        route = routes[layer]
+        if route not in (ladder.SPLITK, ladder.INTERLEAVED):
+            raise EngineError(f"layer {layer}: route {route} reads host arrays (Launcher.attend_layer_host)")
+        a = self._layer_args(layer)
+        kind = a["kind"]
+        st, cache, launcher = new_states[kind], self.cache, self.launcher
+        self._set_io(a, io)
+        planes = (cache.k[kind], cache.v[kind])
+        if a["plane"] is None or a["plane"][0] is not planes[0] or a["plane"][1] is not planes[1]:
+            km, vm = self.imported(planes[0]), self.imported(planes[1])
+            capi.set_ndarray(a["producer"][3], *km)
+            capi.set_ndarray(a["producer"][4], *vm)
+            capi.set_ndarray(a["store"][2], *km)
+            capi.set_ndarray(a["store"][3], *vm)
+            a["plane"] = planes
+        _, visible = visible_span(self.cfg, kind, p)
+        nwg, nsg = launcher.split_geometry(visible, route_sizes[route])
+        partials = launcher.partials_for(kind, 1, nwg)
+        if a["partials"] is not partials:
+            pm = self.imported(partials)
+            capi.set_ndarray(a["producer"][5], *pm)
+            capi.set_ndarray(a["reduce"][0], *pm)
+            a["partials"] = partials
+        pr = a["producer"]
+        pr[10].value.i32 = p
+        pr[12].value.i32 = st.capacity
+        pr[13].value.i32 = st.origin_logical
+        pr[14].value.i32 = st.origin_physical
+        pr[15].value.i32 = nwg
+        pr[16].value.i32 = nsg
+        a["reduce"][4].value.i32 = nwg
+        capi.set_i32(a["scan"][4], stamp)
+        launch, rt, k = self._launch, self._handle, self.k
+        fence = self._stream_fence
+        if fence is not None:
+            fence.before()
+        launch(rt, k["scan"], 5, a["scan"])
+        if self._summary is not None and self._summary.max() == stamp:
+            raise ScanRefused(stamp)
+        if route == ladder.SPLITK:
+            a["store"][7].value.i32 = st.physical(p)
+            launch(rt, k["store"], 8, a["store"])
+            launch(rt, k["splitk"], 18, pr)
+            launch(rt, k["reduce_splitk"], 5, a["reduce"])
+            n = 4
+        else:
+            launch(rt, k["interleaved"], 18, pr)
+            launch(rt, k["reduce_interleaved"], 5, a["reduce"])
+            n = 3
+        if fence is not None:
+            fence.after()
+        return n
+
+    # ---- the caller's arrays -----------------------------------------------------------------------
+    def staged(self) -> tuple:
+        """(q, k, v, out) staging arrays as (TiMemory, shape, dtype)."""
+        return self._staged
+
+    def put(self, i: int, src, row: int) -> None:
+        """Token ``row`` of a host source (arrays.Stager.source) into staging array i (q, k, v)."""
+        if not self.gpu:
+            self.stager.put(i, src, row)
+            return
+        one = src[row]
+        one = one.detach().cpu().float().numpy() if not isinstance(one, np.ndarray) else one
+        self.launcher.transfer.upload(self.staging[i], np.asarray(one, np.float32)[None])
+
+    def get_out(self, dst: np.ndarray) -> None:
+        """The staged output into ``dst`` [heads, d] (the host waits for the layer's kernels)."""
+        if not self.gpu:
+            np.copyto(dst, self.stager.out())
+            return
+        dst[...] = self.launcher.transfer.download(self.staging[3], self.shapes["out"])[0]
+
+    def device_io(self, q, k, v, out) -> tuple | None:
+        """Device arrays (torch CUDA tensors, float32 contiguous, or Taichi ndarrays) as (TiMemory, shape, dtype),
+        imported where they lie; None once MAX_IMPORTED addresses have been imported (the caller goes through the
+        staging arrays: stage_device, unstage_device)."""
+        rt = self.rt
+        if rt.imported > MAX_IMPORTED:
+            return None
+        io = []
+        for a in (q, k, v, out):
+            address = a.data_ptr() if not isinstance(a, ti.Ndarray) else _address(a)
+            shape = tuple(a.shape)
+            io.append((rt.memory(address, int(np.prod(shape)) * 4), shape, "f32"))
+        return tuple(io)
+
+    def _device_address(self, a) -> int:
+        return a.data_ptr() if not isinstance(a, ti.Ndarray) else _address(a)
+
+    def stage_device(self, arrays3) -> None:
+        """Device q, k, v copied into the staging arrays (device to device, on the legacy default stream)."""
+        t = self.launcher.transfer
+        for dev, a in zip(self.staging, arrays3):
+            if not t.device_copy(_address(dev), self._device_address(a), int(np.prod(tuple(a.shape))) * 4):
+                raise EngineError("the CUDA driver could not copy a layer's arrays into the engine's staging arrays")
+
+    def unstage_device(self, out) -> None:
+        t = self.launcher.transfer
+        if not t.device_copy(self._device_address(out), _address(self.staging[3]), int(np.prod(tuple(out.shape))) * 4):
+            raise EngineError("the CUDA driver could not copy a layer's output out of the engine's staging arrays")
+
+
+class _StreamFence:
+    """Orders the C-API's launches (on the legacy default stream, as Taichi's launcher copies their arguments
+    there) with the caller's current torch stream, where that is another: events both ways."""
+
+    def __init__(self):
+        import ctypes.util
+
+        lib = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+        self._record, self._wait = lib.cuEventRecord, lib.cuStreamWaitEvent
+        self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        create = lib.cuEventCreate
+        create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        self._events = []
+        for _ in range(2):
+            ev = ctypes.c_void_p()
+            if create(ctypes.byref(ev), 2) != 0:  # CU_EVENT_DISABLE_TIMING
+                raise capi.CApiError("cuEventCreate failed")
+            self._events.append(ev)
+        self._stream = None
+        capi.library().ti_set_cuda_stream(None)
+
+    def current(self) -> int:
+        try:
+            import torch
+        except ImportError:
+            return 0
+        refuse_capture(torch)
+        return int(torch.cuda.current_stream().cuda_stream) if torch.cuda.is_initialized() else 0
+
+    def before(self) -> None:
+        stream = self._stream = self.current()
+        if stream:
+            self._record(self._events[0], stream)
+            self._wait(None, self._events[0], 0)
+
+    def after(self) -> None:
+        if self._stream:
+            self._record(self._events[1], None)
+            self._wait(self._stream, self._events[1], 0)
+
+
+def refuse_capture(torch) -> None:
+    """Raise CaptureRefused where the caller's stream is capturing a CUDA graph (CAPTURE_REASON says why)."""
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise CaptureRefused(CAPTURE_REASON)
+
+
+_RUNTIMES: dict[str, capi.Runtime] = {}
+
+
+def runtime(arch: str) -> capi.Runtime:
+    """The process's C-API runtime for ``arch``, made on first use and kept (its imports are (address, size)
+    records, valid whatever the Python runtime does; capi.Runtime.memory)."""
+    rt = _RUNTIMES.get(arch)
+    if rt is None:
+        rt = _RUNTIMES[arch] = capi.Runtime(arch)
+    return rt
+
+
+__all__ = ["CAPTURE_REASON", "CaptureRefused", "CompiledLayers", "LAUNCH_PATHS", "ScanRefused", "refuse_capture",
+           "runtime"]

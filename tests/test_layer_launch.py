@@ -1,0 +1,192 @@
+"""A per-layer token launched from compiled code (Taichi's C-API, muser_ti/layer_launch.py) against Taichi's Python
+launch path: the same bits, whatever arrays the model holds; the fallback where the C-API cannot load; what the
+C-API runtime keeps (imports, modules on disk, its compile configuration).
+
+The compiled path runs on the CPU and CUDA; on Vulkan the engine takes the Python path (its planes live in the
+Python runtime's device, which a C-API runtime cannot share), so these tests skip there.  tests/test_token.py
+holds the default path (compiled, on the CPU) to step() bit for bit; here the two launch paths meet.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import muser_ti as mt
+from muser_ti import EngineError, aot, capi, layer_launch
+from sessions import GEOMETRIES, Session, geometry
+from test_hostile import assert_same_state, state
+
+
+@pytest.fixture
+def compiled_arch(arch):
+    if arch not in ("cpu", "cuda"):
+        pytest.skip(f"the compiled per-layer path runs on cpu and cuda; {arch} takes Taichi's Python path")
+    return arch
+
+
+def _kinds():
+    """The arrays a model holds, as (name, convert); torch only where it is installed."""
+    kinds = [("numpy-f32", lambda a: a), ("numpy-f16", lambda a: a.astype(np.float16))]
+    try:
+        import torch
+
+        kinds += [("torch-f32", torch.from_numpy), ("torch-bf16", lambda a: torch.from_numpy(a).bfloat16())]
+    except ImportError:
+        pass
+    return kinds
+
+
+def _attend_all(eng, q, k, v, n, convert):
+    """n tokens through eng.token(n), layer by layer: out [n, layers, heads, d] as float32 numpy."""
+    outs = []
+    with eng.token(n) as t:
+        for layer in range(eng.cfg.n_layers):
+            if n == 1:
+                got = t.attend(layer, convert(q[0, layer]), convert(k[0, layer]), convert(v[0, layer]))
+            else:
+                got = t.attend(layer, convert(q[:, layer]), convert(k[:, layer]), convert(v[:, layer]))
+            got = np.asarray(got.float() if hasattr(got, "float") else got, np.float32)
+            outs.append(got.reshape(n, eng.cfg.n_heads, eng.cfg.head_dim))
+    return np.stack(outs, axis=1)
+
+
+# the array kinds convert differently on the way in (numpy copies, torch converts while it copies): each once;
+# n=3 is a verify pass, each token over the cache and the chunk's earlier ones
+@pytest.mark.parametrize("kind", [name for name, _ in _kinds()])
+@pytest.mark.parametrize("n", [1, 3])
+def test_compiled_and_python_launches_give_the_same_bits(compiled_arch, kind, n):
+    """Prefill 40 rows, then tokens in chunks of n through the 64-row rings' wrap and the NoPE plane's growth
+    (64 -> 128 -> 256): the two launch paths give the same routes, outputs and planes, bit for bit."""
+    convert = dict(_kinds())[kind]
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    compiled = mt.Engine(cfg, arch=compiled_arch, launch="capi")
+    python = mt.Engine(cfg, arch=compiled_arch, launch="python")
+    s = Session(compiled, seed=11)
+    s.prefill(40, also=python)
+    assert compiled.launcher.compiled_layers() is not None and python.launcher.compiled_layers() is None
+    for _ in range(90 // n):
+        tokens = [s.token() for _ in range(n)]
+        q, k, v = (np.stack([tok[i] for tok in tokens]) for i in range(3))
+        got = _attend_all(compiled, q, k, v, n, convert)
+        want = _attend_all(python, q, k, v, n, convert)
+        np.testing.assert_array_equal(got, want)
+        assert compiled.routes == python.routes
+    assert compiled.plane_state(3).capacity == 256 and compiled.plane_state(0).is_wrapped
+    assert_same_state(state(compiled), state(python))
+    assert compiled.route_counts == python.route_counts
+
+
+def test_new_arrays_every_token_import_nothing_new(compiled_arch):
+    """The caller's arrays go through the layer's staging arrays (CPU): a fresh array every call imports nothing
+    into the C-API runtime, whose imports Taichi 1.7.4 cannot free."""
+    if compiled_arch != "cpu":
+        pytest.skip("CUDA imports a framework's tensors where they lie, up to layer_launch.MAX_IMPORTED")
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    eng = mt.Engine(cfg, arch="cpu", launch="capi")
+    s = Session(eng, seed=2)
+    s.prefill(10)
+    q, k, v = s.token()
+    _attend_all(eng, q[None], k[None], v[None], 1, lambda a: a.copy())
+    before = layer_launch.runtime("cpu").imported
+    for _ in range(5):
+        q, k, v = s.token()
+        _attend_all(eng, q[None], k[None], v[None], 1, lambda a: a.copy())
+    assert layer_launch.runtime("cpu").imported == before
+
+
+def test_auto_falls_back_to_the_python_path_with_one_warning(compiled_arch, monkeypatch):
+    """Where the C-API cannot load, launch="auto" warns once, naming why, and takes Taichi's Python path (the same
+    bits); launch="capi" refuses with the same reason."""
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+
+    def unavailable(arch):
+        raise capi.CApiError("libtaichi_c_api.so did not load (simulated)")
+
+    monkeypatch.setattr(layer_launch, "runtime", unavailable)
+    eng = mt.Engine(cfg, arch=compiled_arch, launch="auto")
+    python = mt.Engine(cfg, arch=compiled_arch, launch="python")
+    s = Session(eng, seed=5)
+    s.prefill(20, also=python)
+    tokens = [s.token() for _ in range(2)]
+    with pytest.warns(RuntimeWarning, match=r"C-API cannot be used here \(libtaichi_c_api.so did not load "
+                                            r"\(simulated\)\); per-layer attention takes Taichi's Python"):
+        got = _attend_all(eng, *(a[None] for a in tokens[0]), 1, lambda a: a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the engine keeps its choice
+        got2 = _attend_all(eng, *(a[None] for a in tokens[1]), 1, lambda a: a)
+    assert eng.launcher.compiled_layers() is None
+    np.testing.assert_array_equal(got, _attend_all(python, *(a[None] for a in tokens[0]), 1, lambda a: a))
+    np.testing.assert_array_equal(got2, _attend_all(python, *(a[None] for a in tokens[1]), 1, lambda a: a))
+    q, k, v = tokens[0]
+    strict = mt.Engine(cfg, arch=compiled_arch, launch="capi")
+    with pytest.raises(EngineError, match=r"launch='capi': libtaichi_c_api.so did not load \(simulated\)"):
+        with strict.token() as t:
+            t.attend(0, q[0], k[0], v[0])
+    assert strict.position == 0 and strict.open_token is None
+
+
+def test_capi_is_refused_where_the_planes_are_not_the_c_apis(arch):
+    if arch in ("cpu", "cuda"):
+        pytest.skip("the C-API serves this backend")
+    eng = mt.Engine(geometry(**GEOMETRIES["gqa4-d64"]), arch=arch, launch="capi")
+    with pytest.raises(EngineError, match=rf"launch='capi': .* on {arch} the planes live in the Python runtime's"):
+        with eng.token() as t:
+            t.attend(0, np.zeros((8, 64), np.float32), np.zeros((2, 64), np.float32), np.zeros((2, 64), np.float32))
+    assert eng.position == 0 and eng.open_token is None
+
+
+def test_launch_option_is_checked():
+    with pytest.raises(EngineError, match=r"launch='fast'; expected one of \['auto', 'capi', 'python'\]"):
+        mt.Engine(geometry(**GEOMETRIES["gqa4-d64"]), arch="cpu", launch="fast")
+
+
+def test_the_aot_module_is_compiled_once_and_then_loaded(tmp_path, monkeypatch):
+    """A cold cache compiles the layer's kernels into a module folder; the next engine of the geometry loads it."""
+    monkeypatch.setenv(aot.CACHE_ENV, str(tmp_path))
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    first = mt.Engine(cfg, arch="cpu", launch="capi").launcher.compiled_layers()
+    second = mt.Engine(cfg, arch="cpu", launch="capi").launcher.compiled_layers()
+    assert first.compiled and not second.compiled
+    folders = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(folders) == 1 and (folders[0] / aot.COMPLETE).is_file(), folders
+    other = mt.Engine(geometry(**GEOMETRIES["gqa16-d128"]), arch="cpu", launch="capi").launcher.compiled_layers()
+    assert other.compiled and len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
+
+
+def test_the_c_api_runtime_runs_without_fast_math():
+    """capi.strict_fp found Taichi 1.7.4's CompileConfig where it expects it and turned fast_math off; a layout it
+    does not recognise is refused with nothing written."""
+    rt = layer_launch.runtime("cpu")
+    import ctypes
+
+    config = ctypes.c_void_p.from_address(rt.handle + capi.CONFIG_POINTER_OFFSET).value
+    raw = (ctypes.c_uint8 * 48).from_address(config)
+    assert raw[capi.FAST_MATH_OFFSET] == 0
+    assert tuple(raw[4:8]) == capi.CONFIG_SIGNATURE[4]
+    # a fake runtime whose configuration is not laid out as expected
+    fake_config = (ctypes.c_uint8 * 48)(*([7] * 48))
+    fake_runtime = (ctypes.c_uint8 * (capi.CONFIG_POINTER_OFFSET + 8))()
+    ctypes.c_void_p.from_address(ctypes.addressof(fake_runtime) + capi.CONFIG_POINTER_OFFSET).value = \
+        ctypes.addressof(fake_config)
+    with pytest.raises(capi.CApiError, match="not laid out as Taichi 1.7.4's"):
+        capi.strict_fp(ctypes.addressof(fake_runtime), "cpu")
+    assert list(fake_config) == [7] * 48
+
+
+def test_cuda_graph_capture_is_refused_naming_why(compiled_arch):
+    if compiled_arch != "cuda":
+        pytest.skip("CUDA graphs need CUDA")
+    torch = pytest.importorskip("torch")
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    eng = mt.Engine(cfg, arch="cuda", launch="capi")
+    s = Session(eng, seed=1)
+    s.prefill(10)
+    q, k, v = (torch.from_numpy(a).cuda() for a in s.token())
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(layer_launch.CaptureRefused, match="cannot be captured in a CUDA graph: Taichi 1.7.4's kernel "
+                                                          "launcher allocates"):
+        with torch.cuda.graph(graph, capture_error_mode="relaxed"):
+            with eng.token() as t:
+                t.attend(0, q[0], k[0], v[0])
+    assert eng.position == 10 and eng.open_token is None
