@@ -1,13 +1,25 @@
 """Test backends: every engine test runs once per arch in --arch (default: cpu and vulkan).
 
 Vulkan runs on Mesa's software driver lavapipe in CI; where no Vulkan device exists the Vulkan
-tests are skipped with that reason, never silently dropped.
+tests are skipped with that reason, never silently dropped.  lavapipe runs the cases that differ on
+Vulkan (its kernels, the one-dispatch step, the device scan, transfers): a case marked ``not_on_lavapipe``
+repeats what the CPU and the Vulkan cases left to lavapipe check (its test says why) and is skipped there,
+with that reason; a hardware Vulkan device runs every case.
 """
 
+import os
 import signal
 import sys
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers share two cores: OpenMP's threads (torch's, ggml's) busy-wait for each other, and with another
+    # worker on the other core a model's forward took several times as long: one intra-op thread a worker for
+    # torch, and waiting threads that sleep (set before any test module imports torch or ggml).  Neither changes
+    # what is computed; the engine's own kernels keep Taichi's threads.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from muser_ti import backend
 
@@ -15,6 +27,53 @@ from muser_ti import backend
 def pytest_addoption(parser):
     parser.addoption("--arch", action="append", default=None,
                      help="backend(s) for engine tests: cpu, vulkan, cuda, metal (repeatable; default cpu + vulkan)")
+
+
+LAVAPIPE_REASON = ("lavapipe (CI's software Vulkan) runs the cases that differ on Vulkan; this one repeats what the CPU "
+                   "and those cases check (not_on_lavapipe, docs/testing.md)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "not_on_lavapipe: a case lavapipe skips (it repeats what the CPU and the "
+                                       "Vulkan cases lavapipe runs check); hardware Vulkan runs it")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or callspec.params.get("arch") != "vulkan" or item.get_closest_marker("not_on_lavapipe") is None:
+        return
+    if not backend.has_hardware_vulkan():
+        pytest.skip(LAVAPIPE_REASON)
+
+
+def pytest_collection_modifyitems(config, items):
+    """pytest-xdist's groups (--dist loadgroup, pyproject.toml): a module's tests on one arch run in one worker, so
+    its module-scoped fixtures (a built model, a prefilled cache) are made once and the worker's Taichi stays on
+    one arch for the group.  The groups go out heaviest first (the real clients' modules, then the arch groups,
+    the CPU's before lavapipe's), so no worker is left with a long group at the end while the other idles."""
+    def group(item):
+        callspec = getattr(item, "callspec", None)
+        arch = callspec.params.get("arch") if callspec is not None else None
+        return f"{item.module.__name__}[{arch}]" if arch else item.module.__name__
+
+    def rank(item):
+        name = item.module.__name__
+        if name in HEAVY_MODULES:
+            return (0, HEAVY_MODULES.index(name))
+        callspec = getattr(item, "callspec", None)
+        arch = callspec.params.get("arch") if callspec is not None else None
+        return (1, 0 if arch is None else 1 + ARCH_ORDER.get(arch, len(ARCH_ORDER)))
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=rank)  # stable: pytest's own order within each rank
+
+
+# the modules that take longest, each one group (their models are built once per module): first out
+HEAVY_MODULES = ("test_mlx_lm_integration", "test_transformers_integration", "test_model_command", "test_install",
+                 "test_commands")
+ARCH_ORDER = {"cpu": 0, "cuda": 1, "vulkan": 2, "metal": 3}
 
 
 def pytest_generate_tests(metafunc):

@@ -1,6 +1,9 @@
 """Shared test drivers: small geometries, token distributions, and a checked decode session."""
 
+import itertools
+
 import numpy as np
+import pytest
 
 import muser_ti as mt
 from muser_ti import ladder
@@ -29,6 +32,23 @@ GEOMETRIES = {
 }
 
 DISTRIBUTIONS = ("normal", "peaked", "sink", "large")
+
+NOT_ON_LAVAPIPE = pytest.mark.not_on_lavapipe  # conftest.py: skipped on lavapipe, run on the CPU and hardware
+
+
+def not_on_lavapipe(*values):
+    """Parameter values whose cases lavapipe skips (conftest.py)."""
+    return [pytest.param(v, marks=NOT_ON_LAVAPIPE) for v in values]
+
+
+def covering_product(*axes):
+    """Every combination of the axes as parameter sets, lavapipe keeping a covering set only: the combinations
+    (axis_0[i], axis_1[i], ...) with indices taken modulo each axis' length, so every value of every axis runs
+    on lavapipe at least once; the rest are not_on_lavapipe (the CPU and hardware backends run all)."""
+    n = max(len(axis) for axis in axes)
+    cover = {tuple(axis[i % len(axis)] for axis in axes) for i in range(n)}
+    return [pytest.param(*combo, id="-".join(map(str, combo)), marks=() if combo in cover else NOT_ON_LAVAPIPE)
+            for combo in itertools.product(*axes)]
 
 
 class Session:

@@ -8,7 +8,7 @@ import pytest
 
 import muser_ti as mt
 from muser_ti import EngineError
-from sessions import GEOMETRIES, Session, geometry
+from sessions import GEOMETRIES, Session, geometry, not_on_lavapipe
 from test_snapshot import assert_live_equal, live
 
 D64 = GEOMETRIES["gqa4-d64"]
@@ -46,7 +46,8 @@ PREFILL_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(PREFILL_CASES))
+# every refusal is the host's, before any device write: lavapipe runs one, for the planes it reads back unchanged
+@pytest.mark.parametrize("case", ["nan", *not_on_lavapipe(*(c for c in PREFILL_CASES if c != "nan"))])
 def test_bad_prefill_is_refused_and_changes_nothing(arch, case):
     bad, fragment = PREFILL_CASES[case]
     cfg = geometry(window=16, slack=8, **D64)

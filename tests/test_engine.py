@@ -10,7 +10,7 @@ import muser_ti as mt
 from muser_ti import EngineError, PinnedUnavailable, RouteError, ladder
 from muser_ti.reference import relative_error
 from muser_ti.tolerances import F16_OUTPUT_RTOL, F32_ROUTE_RTOL
-from sessions import GEOMETRIES, Session, geometry, token_stream as stream
+from sessions import GEOMETRIES, Session, geometry, not_on_lavapipe, token_stream as stream
 
 
 def assert_unchanged(before, after):
@@ -21,14 +21,18 @@ def assert_unchanged(before, after):
         np.testing.assert_array_equal(before[kind][1], after[kind][1])
 
 
-@pytest.mark.parametrize("geom", ["gqa16-d128", "gqa4-d64"])
+# Glimmer's group shape and a small one (the GPU producer's two tiles); lavapipe runs the small one
+@pytest.mark.parametrize("geom", ["gqa4-d64", *not_on_lavapipe("gqa16-d128")])
 def test_rewind_reproduces_a_session_that_never_saw_the_dropped_tokens(arch, geom):
     cfg = geometry(window=48, slack=16, **GEOMETRIES[geom])
-    kept, dropped, after = stream(cfg, 70, 1), stream(cfg, 9, 2), stream(cfg, 20, 3)
+    kept, dropped, after = stream(cfg, 70, 1), stream(cfg, 9, 2), stream(cfg, 12, 3)
     a, b = mt.Engine(cfg, arch=arch, pinned="off"), mt.Engine(cfg, arch=arch, pinned="off")
-    for tok in kept:
-        a.step(*tok)
-        b.step(*tok)
+    k = np.stack([tok[1] for tok in kept[:62]])
+    v = np.stack([tok[2] for tok in kept[:62]])
+    for eng in (a, b):  # the 64-row ring (48 + 16 slack) fills by prefill, wraps by steps
+        eng.prefill(k, v)
+        for tok in kept[62:]:
+            eng.step(*tok)
     for tok in dropped:  # speculative tokens, then rolled back: the rings are left partially wrapped
         a.step(*tok)
     a.rewind(len(kept))

@@ -1,14 +1,16 @@
 """mlx-lm's own Muse Glimmer with the engine as its KV cache and decode attention (issue 47, items 4 and 5).
 
 The model is mlx-lm's ``muse_glimmer.Model`` at Glimmer's attention geometry and a cut width, random weights
-from fixed seeds (tests/mlx_glimmer.py); nothing is downloaded.  The run: a 2,040-token prompt, then
-``DECODE`` greedy tokens, so the SWA rings wrap and the NoPE planes grow (2,048 -> 4,096 rows) during decode.
-CI runs 8 layers (two groups of three sliding + one full); the 52-layer model is marked slow.
+from fixed seeds (tests/mlx_glimmer.py); nothing is downloaded.  The run: a prompt of the window less 8 tokens,
+then ``DECODE`` greedy tokens, so the SWA rings wrap and the NoPE planes grow (window -> 2 x window rows) during
+decode.  CI runs 8 layers (two groups of three sliding + one full) with a 256-token window: the prompt pass, the
+suite's most expensive step, is what the window sets, and the wrap and the growth are the same events at 256 as
+at Glimmer's 2,048.  The 52-layer model with Glimmer's own 2,048 window (a 2,040-token prompt) is marked slow.
 
-mlx-cpu's own attention over a 2,039-token prompt is the expensive part (minutes), and the engine's prompt
-runs exactly that attention (mlx's, over the chunk) while it ingests the K/V: so the session runs the prompt
-once, with the engine's cache, and mirrors each layer's prompt K/V into mlx-lm's own caches through mlx-lm's
-own ``update_and_fetch`` (the ``_PromptMirror`` cache).  From there, three runs of mlx-lm's ``generate_step``
+mlx-cpu's own attention over the prompt is the expensive part, and the engine's prompt runs exactly that
+attention (mlx's, over the chunk) while it ingests the K/V: so the session runs the prompt once, with the
+engine's cache, and mirrors each layer's prompt K/V into mlx-lm's own caches through mlx-lm's own
+``update_and_fetch`` (the ``_PromptMirror`` cache).  From there, three runs of mlx-lm's ``generate_step``
 (or the same model calls, teacher-forced) go their own ways:
 
 * ``ref``: mlx-lm's own caches and attention (f32 K/V), free-running greedy;
@@ -40,8 +42,9 @@ from muser_ti.integrations import mlx_lm as mt_mlx  # noqa: E402
 
 from mlx_glimmer import VOCAB, build_draft, build_glimmer, prompt_tokens  # noqa: E402
 
-PROMPT = 2040
-DECODE = 72  # >= 64 decoded tokens: positions 2,040..2,111 cross the NoPE growth at 2,048 and the ring's wrap
+RUNS = [pytest.param((8, 256), id="8layers"),  # (layers, window): the prompt is the window less 8 tokens
+        pytest.param((52, 2048), id="52layers", marks=pytest.mark.slow)]  # Glimmer's own window
+DECODE = 72  # >= 64 decoded tokens: positions window - 8 .. window + 63 cross the NoPE growth and the ring's wrap
 ROLLBACK = 4  # tokens a trim takes back (rings of 3 rows' slack): speculative decoding below drafts 3 a round
 NUM_DRAFT = 3
 SNAP_AT = 24  # the mid-generation snapshot: after the logits of decode step SNAP_AT
@@ -133,14 +136,14 @@ def _same_state(a, b) -> bool:
 # ---- the session's runs -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[8, pytest.param(52, marks=pytest.mark.slow)], ids=lambda n: f"{n}layers")
+@pytest.fixture(scope="module", params=RUNS)
 def glimmer(request, tmp_path_factory):
-    n_layers = request.param
+    n_layers, window = request.param
     tmp = tmp_path_factory.mktemp(f"mlx_glimmer{n_layers}")
     t0 = time.perf_counter()
-    model = build_glimmer(n_layers, seed=0)
-    prompt = prompt_tokens(PROMPT, seed=0)
-    R = SimpleNamespace(n_layers=n_layers, model=model, prompt=prompt, tmp=tmp, times={},
+    model = build_glimmer(n_layers, seed=0, sliding_window=window)
+    prompt = prompt_tokens(window - 8, seed=0)
+    R = SimpleNamespace(n_layers=n_layers, W=window, P=window - 8, model=model, prompt=prompt, tmp=tmp, times={},
                         snap_prompt=tmp / "after_prompt.safetensors", snap_mid=tmp / "mid.safetensors")
 
     # ours, free-running through mlx-lm's generate_step; the prompt pass also fills mlx-lm's own caches
@@ -243,17 +246,17 @@ def test_teacher_forced_logits_within_the_f16_bound(glimmer):
 
 
 def test_ring_wraps_and_nope_plane_grows_during_decode(glimmer):
-    """The run crosses both events while the engine decodes: the NoPE planes grow from 2,048 to 4,096 rows and
-    the rings (2,048 + ROLLBACK - 1 rows) wrap, and every layer took the engine's routes."""
+    """The run crosses both events while the engine decodes: the NoPE planes grow from the window's rows to twice
+    that and the rings (window + ROLLBACK - 1 rows) wrap, and every layer took the engine's routes."""
     R = glimmer
-    assert R.after_prompt_position == PROMPT - 1
-    assert R.positions == list(range(PROMPT, PROMPT + DECODE + 1))
+    assert R.after_prompt_position == R.P - 1
+    assert R.positions == list(range(R.P, R.P + DECODE + 1))
     nope = [s[NOPE] for s in R.states]
     swa = [s[SWA] for s in R.states]
-    assert nope[0].capacity == 2048 and nope[-1].capacity == 4096, (nope[0], nope[-1])
-    assert nope[-1].len == PROMPT + DECODE
+    assert nope[0].capacity == R.W and nope[-1].capacity == 2 * R.W, (nope[0], nope[-1])
+    assert nope[-1].len == R.P + DECODE
     assert swa[0].origin_logical == 0 and swa[-1].origin_logical > 0, (swa[0], swa[-1])
-    assert swa[-1].len == swa[-1].capacity == 2048 + ROLLBACK - 1
+    assert swa[-1].len == swa[-1].capacity == R.W + ROLLBACK - 1
     n_swa = sum(1 for k in R.engine.cfg.layer_kinds if k == SWA)
     steps = DECODE + 1
     assert sum(R.route_counts.values()) == steps * R.n_layers
@@ -293,14 +296,14 @@ def test_snapshot_mid_generation_resumes_bit_for_bit(glimmer):
     R = glimmer
     cache = mt_mlx.load_cache(R.model, R.snap_mid, arch=ARCH)
     assert cache[0].engine is not R.engine
-    assert cache[0].offset == PROMPT + SNAP_AT
+    assert cache[0].offset == R.P + SNAP_AT
     rec = _Recorder()
     rest = DECODE - SNAP_AT - 1
     tokens = [tok for tok, _ in generate_step(mx.array([R.ours_tokens[SNAP_AT]], dtype=mx.uint32), R.model,
                                               prompt_cache=cache, max_tokens=rest, logits_processors=[rec])]
     assert tokens == R.ours_tokens[SNAP_AT + 1:]
     np.testing.assert_array_equal(np.stack(rec.logits), R.ours_logits[SNAP_AT + 1:])
-    assert cache[0].engine.position == PROMPT + DECODE
+    assert cache[0].engine.position == R.P + DECODE
 
 
 # ---- (d) speculative decoding -----------------------------------------------------------------------------
@@ -352,18 +355,18 @@ def test_speculative_decoding_equals_greedy(glimmer, draft_kind):
     R = glimmer
     cache = mt_mlx.load_cache(R.model, R.snap_prompt, arch=ARCH)
     eng = cache[0].engine
-    assert eng.position == PROMPT - 1 and cache[0].is_trimmable() and cache[0].session.rollback == ROLLBACK
+    assert eng.position == R.P - 1 and cache[0].is_trimmable() and cache[0].session.rollback == ROLLBACK
     calls = _counting_rewinds(eng)
     if draft_kind == "oracle":
         sequence = [int(t) for t in np.array(R.prompt)] + R.ours_tokens
         rng = np.random.default_rng(7)  # not periodic: a period of NUM_DRAFT + 1 would fall on the target's own token
-        draft = _OracleDraft(sequence, wrong={p for p in range(PROMPT, PROMPT + DECODE) if rng.random() < 0.3})
+        draft = _OracleDraft(sequence, wrong={p for p in range(R.P, R.P + DECODE) if rng.random() < 0.3})
         draft_cache = draft.make_cache()
-        draft_cache[0].update_and_fetch(mx.zeros((1, 1, PROMPT - 1, 1)), mx.zeros((1, 1, PROMPT - 1, 1)))
+        draft_cache[0].update_and_fetch(mx.zeros((1, 1, R.P - 1, 1)), mx.zeros((1, 1, R.P - 1, 1)))
     else:
         draft = build_draft(seed=1)
         draft_cache = draft.make_cache()
-        draft(R.prompt[None, -257:-1], cache=draft_cache)  # the draft's context: the prompt's last 256 tokens
+        draft(R.prompt[None, -129:-1], cache=draft_cache)  # the draft's context: the prompt's last 128 tokens
     out = list(speculative_generate_step(R.prompt[-1:], R.model, draft, prompt_cache=cache + draft_cache,
                                          num_draft_tokens=NUM_DRAFT, max_tokens=DECODE))
     tokens = [int(t) for t, _, _ in out]
@@ -378,7 +381,7 @@ def test_speculative_decoding_equals_greedy(glimmer, draft_kind):
     print(f"\n[{R.n_layers} layers, {draft_kind}] {sum(from_draft)} of {len(tokens)} tokens from the draft, "
           f"{session.rewinds} rewinds ({session.tokens_rewound} tokens)")
     # the run's last trim leaves the engine holding the accepted tokens (the last one fed where it was a draft's)
-    assert eng.position in (PROMPT - 1 + DECODE, PROMPT + DECODE)
+    assert eng.position in (R.P - 1 + DECODE, R.P + DECODE)
 
 
 def test_speculative_through_many_ring_wraps_equals_greedy():
@@ -448,7 +451,7 @@ def test_exception_mid_forward_leaves_engine_as_before(glimmer, inputs, layer, e
             model(x, cache=cache)
     finally:
         restore()
-    assert eng.open_token is not None and eng.position == PROMPT - 1
+    assert eng.open_token is not None and eng.position == R.P - 1
     cache[0].session.recover()
     assert eng.open_token is None and _same_state(_engine_state(eng), before)
 
@@ -462,7 +465,7 @@ def test_exception_mid_forward_leaves_engine_as_before(glimmer, inputs, layer, e
     logits = np.array(model(x, cache=cache)[0].astype(mx.float32))
     clean = mt_mlx.load_cache(model, R.snap_prompt, arch=ARCH)
     np.testing.assert_array_equal(logits, np.array(model(x, cache=clean)[0].astype(mx.float32)))
-    assert eng.position == clean[0].engine.position == PROMPT - 1 + x.shape[1]
+    assert eng.position == clean[0].engine.position == R.P - 1 + x.shape[1]
     if inputs == "one":
         np.testing.assert_array_equal(logits[-1], R.ours_logits[0])
 
@@ -510,7 +513,7 @@ def test_trim_rewinds_once_and_refuses_past_the_rings(glimmer):
     """mlx-lm's trim_prompt_cache trims every layer by n: the shared engine rewinds once, by n.  Past what the
     rings hold (their slack, once full) it is refused, the cache unchanged."""
     R = glimmer
-    cache = mt_mlx.load_cache(R.model, R.snap_mid, arch=ARCH)  # position 2,064: the rings are full
+    cache = mt_mlx.load_cache(R.model, R.snap_mid, arch=ARCH)  # position P + 24: the rings are full
     eng = cache[0].engine
     calls = _counting_rewinds(eng)
     assert can_trim_prompt_cache(cache)
@@ -534,11 +537,11 @@ def test_protocol_surface(glimmer, tmp_path):
     cache = mt_mlx.load_cache(R.model, R.snap_prompt, arch=ARCH)
     eng = cache[0].engine
     kinds = eng.cfg.layer_kinds
-    assert all(c.offset == PROMPT - 1 for c in cache) and not cache[0].empty()
-    assert [c.size() for c in cache] == [PROMPT - 1] * R.n_layers
+    assert all(c.offset == R.P - 1 for c in cache) and not cache[0].empty()
+    assert [c.size() for c in cache] == [R.P - 1] * R.n_layers
     per_row = eng.cfg.n_kv_heads * eng.cfg.head_dim * 2 * 2
-    assert [c.nbytes for c in cache] == [(2048 + ROLLBACK - 1 if k == SWA else 2048) * per_row for k in kinds]
-    assert cache[0].make_mask(1, window_size=2048) is None and cache[0].make_mask(4) is None
+    assert [c.nbytes for c in cache] == [(R.W + ROLLBACK - 1 if k == SWA else R.W) * per_row for k in kinds]
+    assert cache[0].make_mask(1, window_size=R.W) is None and cache[0].make_mask(4) is None
     fresh = mt_mlx.make_cache(R.model, arch=ARCH)
     assert fresh[0].empty() and fresh[0].offset == 0
     assert fresh[0].make_mask(16) == "causal"

@@ -25,7 +25,7 @@ from muser_ti.pinned import metal_bridge as mb, mirror as plane_mirror
 from muser_ti.config import NOPE, SWA
 from muser_ti.pinned.ggml import pinned_status
 from muser_ti.planes import PlaneState
-from sessions import GEOMETRIES, Session, geometry, token_stream
+from sessions import GEOMETRIES, Session, geometry, not_on_lavapipe, token_stream
 
 GGML_OK, GGML_WHY = pinned_status()
 needs_ggml = pytest.mark.skipif(not GGML_OK, reason=f"pinned ggml-python 0.0.45 not usable: {GGML_WHY}")
@@ -55,7 +55,8 @@ def assert_mirrors_planes(eng, what=""):
 
 # ---- bookkeeping through a whole session -----------------------------------------------------------
 
-@pytest.mark.parametrize("geom", sorted(GEOMETRIES))
+# the mirror is host bookkeeping beside the stores; the geometries change its row layout, not that: lavapipe runs one
+@pytest.mark.parametrize("geom", ["gqa16-d128", *not_on_lavapipe(*sorted(set(GEOMETRIES) - {"gqa16-d128"}))])
 def test_mirror_follows_the_planes_through_a_session(arch, geom, tmp_path):
     # ring of 96 = window 64 + slack 32 (rewinds of up to 32 tokens), NoPE plane from 64 rows, doubling
     cfg = geometry(window=64, slack=32, **GEOMETRIES[geom])

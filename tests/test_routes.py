@@ -13,7 +13,7 @@ import muser_ti as mt
 from muser_ti import EngineError
 from muser_ti.kernels.producer import active_tile_plan
 from muser_ti.kernels.producer.warp_tile import WarpTilePlan
-from sessions import DISTRIBUTIONS, GEOMETRIES, Session, geometry, own_routes_only
+from sessions import DISTRIBUTIONS, GEOMETRIES, Session, covering_product, geometry, own_routes_only
 
 
 def swa_state(s):
@@ -97,8 +97,9 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("geom", list(GEOMETRIES))
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+# every plane state the chapter names, in every geometry (the GPU producer's tiles and index paths); lavapipe runs a
+# covering set: each state once, each geometry at least once
+@pytest.mark.parametrize("scenario, geom", covering_product(list(SCENARIOS), list(GEOMETRIES)))
 def test_own_routes_match_reference(arch, geom, scenario):
     run, extra = SCENARIOS[scenario]
     cfg = geometry(window=64, **GEOMETRIES[geom], **extra)
@@ -107,8 +108,8 @@ def test_own_routes_match_reference(arch, geom, scenario):
     assert own_routes_only(s.eng) and s.eng.routes[0] == "splitk" and s.eng.routes[3] == "interleaved"
 
 
-@pytest.mark.parametrize("dist", DISTRIBUTIONS)
-@pytest.mark.parametrize("window", [40, 64])  # 40: len never a multiple of 32 once full
+# 40: len never a multiple of 32 once full; lavapipe runs each distribution once, the windows alternating
+@pytest.mark.parametrize("dist, window", covering_product(DISTRIBUTIONS, [40, 64]))
 def test_distributions_through_the_wrap(arch, dist, window):
     cfg = geometry(window=window, **GEOMETRIES["gqa16-d128"])
     s = Session(mt.Engine(cfg, arch=arch, pinned="off"), seed=window, dist=dist)

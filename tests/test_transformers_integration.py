@@ -1,9 +1,12 @@
 """The engine as the decode attention of transformers' own Muse Glimmer (issue 47 items 4 and 5).
 
 The model is ``MuseGlimmerForConditionalGeneration`` built by tests/hf_glimmer.py: the real attention geometry
-(32:2 heads, head_dim 128, window 2,048, three sliding + one full NoPE layer, QK-norm, gate), the width cut,
-random weights from a fixed seed, float32, nothing downloaded.  The run: a prompt of PROMPT tokens then NEW
-decoded tokens, so the sliding rings wrap (position 2,048) and the NoPE planes grow during decode.  The engine
+(32:2 heads, head_dim 128, three sliding + one full NoPE layer, QK-norm, gate), the width cut, random weights
+from a fixed seed, float32, nothing downloaded.  The run: a prompt of the window less 8 tokens, then NEW decoded
+tokens, so the sliding rings wrap (at the window's position) and the NoPE planes grow during decode.  CI runs 8
+layers with a 256-token window (the prompt passes, the module's most expensive work, are what the window sets;
+the wrap and the growth are the same events at 256 as at Glimmer's 2,048); the 52-layer model with Glimmer's
+own 2,048 window (a 2,040-token prompt) is marked slow.  The engine
 runs on the CPU; ``--arch`` names others (a GPU machine: ``--arch cuda`` runs the model on the GPU and hands its
 torch CUDA tensors to the engine as they are, ``--arch vulkan`` keeps the model and its tensors on the CPU).
 
@@ -43,7 +46,8 @@ from muser_ti import EngineError, backend, tolerances  # noqa: E402
 from muser_ti.config import NOPE, SWA  # noqa: E402
 from muser_ti.integrations import transformers as mt_hf  # noqa: E402
 
-PROMPT = 2040  # the ring (window 2,048, no slack) wraps 8 tokens into decode; the NoPE planes grow at 2,048
+RUNS = [pytest.param((8, 256), id="8layers"),  # (layers, window): the prompt is the window less 8 tokens, so the
+        pytest.param((52, 2048), id="52layers", marks=pytest.mark.slow)]  # ring wraps 8 tokens into decode
 NEW = 72  # decoded tokens (>= 64)
 SNAP = 40  # the teacher-forced run saves a snapshot before its SNAP-th decode forward
 DRAFT_TOKENS = 4  # assisted decoding: tokens the draft proposes a round (constant schedule)
@@ -92,11 +96,13 @@ def _device(arch: str) -> str:
     return "cuda" if arch == "cuda" else "cpu"
 
 
-@pytest.fixture(scope="module", params=[8, pytest.param(52, marks=pytest.mark.slow)], ids=lambda n: f"{n}layers")
+@pytest.fixture(scope="module", params=RUNS)
 def model(request, hf_arch):
-    with timed(f"build {request.param} layers"):
-        m = build_glimmer(request.param).to(_device(hf_arch))
+    n_layers, window = request.param
+    with timed(f"build {n_layers} layers"):
+        m = build_glimmer(n_layers, sliding_window=window).to(_device(hf_arch))
     m.muser_arch = hf_arch  # the engine arch the tests' caches use
+    m.window, m.prompt_len = window, window - 8
     return m
 
 
@@ -106,7 +112,7 @@ def _ids(model, n: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def ids(model):
-    return _ids(model, PROMPT)
+    return _ids(model, model.prompt_len)
 
 
 def _layers_of(model) -> int:
@@ -124,7 +130,7 @@ def reference(model, ids):
     with timed(f"reference generate ({_layers_of(model)} layers)"):
         out = _attn(model, "sdpa").generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True,
                                             return_dict_in_generate=True)
-    return out.sequences[0, PROMPT:].cpu(), torch.cat(out.logits).float().cpu()
+    return out.sequences[0, model.prompt_len:].cpu(), torch.cat(out.logits).float().cpu()
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +179,7 @@ def engine_greedy(model, ids):
     with timed(f"engine generate ({_layers_of(model)} layers)"):
         out = _attn(model, "muser_ti").generate(ids, max_new_tokens=NEW, do_sample=False, cache=cache,
                                                 output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, PROMPT:].cpu(), torch.cat(out.logits).float().cpu(), cache
+    return out.sequences[0, model.prompt_len:].cpu(), torch.cat(out.logits).float().cpu(), cache
 
 
 def _assisted(model, ids, draft, name):
@@ -193,7 +199,7 @@ def _assisted(model, ids, draft, name):
                                                     return_dict_in_generate=True)
     finally:
         hook.remove()
-    return out.sequences[0, PROMPT:].cpu(), torch.cat(out.logits).float().cpu(), cache, forwards
+    return out.sequences[0, model.prompt_len:].cpu(), torch.cat(out.logits).float().cpu(), cache, forwards
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +212,7 @@ def assisted(model, ids):
 def assisted_exact(model, ids):
     """The model's own weights, in float32 with transformers' own cache and sdpa, draft: every draft is accepted
     unless the planes' f16 rounding flips a near-tie, so the verify passes' every row is used."""
-    draft = build_glimmer(_layers_of(model)).to(model.device)
+    draft = build_glimmer(_layers_of(model), sliding_window=model.window).to(model.device)
     return _assisted(model, ids, draft, "exact draft")
 
 
@@ -257,9 +263,10 @@ def test_teacher_forced_logits_match_attention_over_the_same_f16_values(model, r
 
 def test_decode_wraps_the_ring_and_grows_the_nope_plane(teacher):
     before, after = teacher["after_prompt"], teacher["at_end"]
-    assert before[SWA].len == PROMPT and before[SWA].origin_physical == 0
-    assert after[SWA].len == after[SWA].capacity == 2048 and after[SWA].origin_physical == (PROMPT + NEW - 1) % 2048
-    assert after[NOPE].len == PROMPT + NEW - 1 and after[NOPE].capacity > before[NOPE].capacity
+    P, W = before[SWA].len, after[SWA].capacity
+    assert before[SWA].origin_physical == 0 and P + 8 == W  # the prompt: the window less 8 tokens
+    assert after[SWA].len == W and after[SWA].origin_physical == (P + NEW - 1) % W
+    assert after[NOPE].len == P + NEW - 1 and after[NOPE].capacity > before[NOPE].capacity
     routes = teacher["cache"].engine.route_counts
     assert set(routes) == {"splitk", "interleaved"}, routes
 
@@ -284,7 +291,7 @@ def test_free_running_greedy_matches_transformers(model, reference, engine_greed
                                     tolerances.model_logit_rtol_f16_planes(_layers_of(model)))
     if _layers_of(model) == 8:
         assert same == NEW  # no near-tie in this run: every token
-    assert cache.get_seq_length() == PROMPT + NEW - 1  # the last token is generated, not yet attended
+    assert cache.get_seq_length() == model.prompt_len + NEW - 1  # the last token is generated, not yet attended
     print(f"\nfree-running greedy: the first {same} of {NEW} tokens are transformers' own")
 
 
@@ -292,7 +299,7 @@ def test_free_running_greedy_matches_transformers(model, reference, engine_greed
 def test_snapshot_resume_continues_bit_for_bit(model, reference, teacher):
     tokens, _ = reference
     cache = _resumed(model, teacher)
-    assert cache.get_seq_length() == PROMPT + SNAP - 1
+    assert cache.get_seq_length() == model.prompt_len + SNAP - 1
     got = torch.stack(_decode(_attn(model, "muser_ti"), cache, tokens[SNAP - 1:-1]))
     assert torch.equal(got, teacher["logits"][SNAP:])
 
@@ -308,7 +315,7 @@ def test_assisted_decoding_equals_greedy_with_rewinds(model, engine_greedy, assi
     assert same == NEW or _layers_of(model) != 8
     verify = [n for n in forwards[1:] if n > 1]
     # the prompt with the first draft, then verify passes of the last token and a draft (shorter at the end)
-    assert forwards[0] == PROMPT + DRAFT_TOKENS and max(verify) == DRAFT_TOKENS + 1, forwards
+    assert forwards[0] == model.prompt_len + DRAFT_TOKENS and max(verify) == DRAFT_TOKENS + 1, forwards
     assert cache.rewinds > 0 and cache.tokens_rewound >= cache.rewinds  # rejections reached Engine.rewind
     print(f"\nassisted, tiny random draft: {len(forwards)} target forwards for {NEW} tokens ({len(verify)} verify "
           f"passes of {sorted(set(verify))} tokens), {cache.rewinds} rewinds of {cache.tokens_rewound} tokens in all; "
@@ -375,13 +382,13 @@ def test_crop_abandons_a_token_left_open(model, reference, teacher):
     finally:
         hook.remove()
     cache.crop(0)
-    assert cache.engine.open_token is None and cache.get_seq_length() == PROMPT + SNAP - 1
+    assert cache.engine.open_token is None and cache.get_seq_length() == model.prompt_len + SNAP - 1
 
 
 @pytest.mark.parametrize("attr, layer_of, value, match", [
     ("scaling", lambda L: 2, 0.1, r"scaling=0\.1 but the engine applies attention_scale=0\.0883"),
-    ("sliding_window", lambda L: 1, 1024, r"sliding_window=1024 .* sliding-window layer \(window 2048\)"),
-    ("sliding_window", lambda L: 3, 2048, r"sliding_window=2048 .* full-context layer \(window None\)"),
+    ("sliding_window", lambda L: 1, 100, r"sliding_window=100 .* sliding-window layer \(window (256|2048)\)"),
+    ("sliding_window", lambda L: 3, 256, r"sliding_window=256 .* full-context layer \(window None\)"),
 ])
 def test_wrong_scaling_or_window_is_refused_naming_it(model, reference, teacher, attr, layer_of, value, match):
     tokens, _ = reference
