@@ -18,6 +18,11 @@
 #   tune             the GPU producer's tiles in one process against the float64 reference (scripts/lab/tune_gpu.py
 #                    tiles; TUNE_VARIANTS), with ptxas's registers and spills per producer
 #   spread           CUDA steps in SPREAD_ROUNDS processes: the host's speed moves between processes
+#   launch           the per-layer call from compiled code (muser_ti/layer_launch.py) on CUDA: its tests (the C-API
+#                    path against Taichi's Python path bit for bit, the capture refusal, test_token, transformers'
+#                    Glimmer on the engine; LAUNCH_TESTS adds files), the host's cost per layer on both paths
+#                    against step() (per_layer), and a whole model's decode token against transformers' own
+#                    attention over its DynamicCache and StaticCache in bf16 (bench/model_token.py; LAUNCH_CONTEXTS)
 #   model            a model's calls (MODEL_PART: tests, bench, profile or all): the per-layer token's tests and
 #                    transformers' Glimmer on the engine on CUDA
 #                    (torch CUDA tensors, zero-copy) and Vulkan (host tensors); the host's cost per layer against
@@ -170,6 +175,22 @@ spread)  # the first process compiles (a cold CUDA step build takes over 150 s);
       --json "$OUT/spread-$round.json"
   done;;
 
+launch)
+  timeout -s INT -k 30 ${TEST_TIMEOUT:-240} python3 -m pytest -n 0 -v -rfE -p no:cacheprovider --arch cuda \
+    tests/test_layer_launch.py tests/test_token.py tests/test_transformers_integration.py ${LAUNCH_TESTS:-} \
+    > "$OUT/launch-tests.log" 2>&1
+  echo "== launch tests rc=$?"; grep -cE " PASSED" "$OUT/launch-tests.log" | sed 's/$/ passed/'
+  grep -E "FAILED|ERROR" "$OUT/launch-tests.log" | head -20; tail -3 "$OUT/launch-tests.log"
+  timeout 150 python3 -m muser_ti.bench.per_layer --arch cuda --depth 64 --depth 2048 --tokens 20 --json \
+    > "$OUT/per_layer_cuda.json" 2> "$OUT/per_layer_cuda.err"; echo "== per_layer cuda rc=$?"
+  grep -E '"(depth|step_ms|token_capi_ms|token_python_ms|overhead_capi_us_per_layer|overhead_python_us_per_layer|capi_path)"' \
+    "$OUT/per_layer_cuda.json" | tr -d '\n '; echo; tail -2 "$OUT/per_layer_cuda.err"
+  for context in ${LAUNCH_CONTEXTS:-2040 32760}; do
+    timeout 200 python3 -m muser_ti.bench.model_token --arch cuda --context $context --tokens 20 \
+      > "$OUT/model_token_$context.json" 2> "$OUT/model_token_$context.err"
+    echo "== model_token $context rc=$?"; cat "$OUT/model_token_$context.json"; tail -3 "$OUT/model_token_$context.err"
+  done;;
+
 model)  # MODEL_PART: tests | bench | profile | all (a call holds one part within its 10 minutes)
   if [ "${MODEL_PART:-all}" = tests ] || [ "${MODEL_PART:-all}" = all ]; then
     timeout -s INT -k 45 ${TEST_TIMEOUT:-420} python3 -m pytest -v -rfE -p no:cacheprovider --arch cuda --arch vulkan \
@@ -192,7 +213,8 @@ model)  # MODEL_PART: tests | bench | profile | all (a call holds one part withi
   done
   timeout 240 python3 -m muser_ti.bench.per_layer --arch cuda --depth 64 --depth 2048 --tokens 20 --json \
     > "$OUT/per_layer_cuda.json" 2> "$OUT/per_layer_cuda.err"; echo "== per_layer cuda rc=$?"
-  grep -E '"(depth|step_ms|token_by_layer_ms|overhead_us_per_layer)"' "$OUT/per_layer_cuda.json" | tr -d '\n '; echo
+  grep -E '"(depth|step_ms|token_capi_ms|token_python_ms|overhead_capi_us_per_layer|overhead_python_us_per_layer)"' \
+    "$OUT/per_layer_cuda.json" | tr -d '\n '; echo
   for run in "cuda cuda" "vulkan cpu"; do  # transformers' Glimmer on the engine: CUDA tensors in place; host tensors
     set -- $run
     timeout 200 python3 -m muser_ti.cli.model --layers ${MODEL_LAYERS:-8} --prompt-tokens ${MODEL_PROMPT:-2040} \
