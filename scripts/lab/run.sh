@@ -20,9 +20,10 @@
 #   spread           CUDA steps in SPREAD_ROUNDS processes: the host's speed moves between processes
 #   launch           the per-layer call from compiled code (muser_ti/layer_launch.py) on CUDA: its tests (the C-API
 #                    path against Taichi's Python path bit for bit, the capture refusal, test_token, transformers'
-#                    Glimmer on the engine; LAUNCH_TESTS adds files), the host's cost per layer on both paths
-#                    against step() (per_layer), and a whole model's decode token against transformers' own
-#                    attention over its DynamicCache and StaticCache in bf16 (bench/model_token.py; LAUNCH_CONTEXTS)
+#                    Glimmer on the engine; LAUNCH_TESTS names other files), the host's cost per layer on both
+#                    paths against step() (per_layer), and a whole model's decode token against transformers' own
+#                    attention over its DynamicCache and StaticCache in bf16 (bench/model_token.py; LAUNCH_CONTEXTS;
+#                    TEST_TIMEOUT, PER_LAYER_TIMEOUT and MODEL_TOKEN_TIMEOUT fit them into a call's 10 minutes)
 #   model            a model's calls (MODEL_PART: tests, bench, profile or all): the per-layer token's tests and
 #                    transformers' Glimmer on the engine on CUDA
 #                    (torch CUDA tensors, zero-copy) and Vulkan (host tensors); the host's cost per layer against
@@ -177,16 +178,16 @@ spread)  # the first process compiles (a cold CUDA step build takes over 150 s);
 
 launch)
   timeout -s INT -k 30 ${TEST_TIMEOUT:-240} python3 -m pytest -n 0 -v -rfE -p no:cacheprovider --arch cuda \
-    tests/test_layer_launch.py tests/test_token.py tests/test_transformers_integration.py ${LAUNCH_TESTS:-} \
+    ${LAUNCH_TESTS:-tests/test_layer_launch.py tests/test_token.py tests/test_transformers_integration.py} \
     > "$OUT/launch-tests.log" 2>&1
   echo "== launch tests rc=$?"; grep -cE " PASSED" "$OUT/launch-tests.log" | sed 's/$/ passed/'
   grep -E "FAILED|ERROR" "$OUT/launch-tests.log" | head -20; tail -3 "$OUT/launch-tests.log"
-  timeout 150 python3 -m muser_ti.bench.per_layer --arch cuda --depth 64 --depth 2048 --tokens 20 --json \
+  timeout ${PER_LAYER_TIMEOUT:-150} python3 -m muser_ti.bench.per_layer --arch cuda --depth 64 --depth 2048 --tokens 20 --json \
     > "$OUT/per_layer_cuda.json" 2> "$OUT/per_layer_cuda.err"; echo "== per_layer cuda rc=$?"
   grep -E '"(depth|step_ms|token_capi_ms|token_python_ms|overhead_capi_us_per_layer|overhead_python_us_per_layer|capi_path)"' \
     "$OUT/per_layer_cuda.json" | tr -d '\n '; echo; tail -2 "$OUT/per_layer_cuda.err"
   for context in ${LAUNCH_CONTEXTS:-2040 32760}; do
-    timeout 200 python3 -m muser_ti.bench.model_token --arch cuda --context $context --tokens 20 \
+    timeout ${MODEL_TOKEN_TIMEOUT:-200} python3 -m muser_ti.bench.model_token --arch cuda --context $context --tokens 20 \
       > "$OUT/model_token_$context.json" 2> "$OUT/model_token_$context.err"
     echo "== model_token $context rc=$?"; cat "$OUT/model_token_$context.json"; tail -3 "$OUT/model_token_$context.err"
   done;;
