@@ -47,6 +47,7 @@ def pytest_runtest_setup(item):
         pytest.skip(LAVAPIPE_REASON)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups (its hook has no order of its own)
 def pytest_collection_modifyitems(config, items):
     """pytest-xdist's groups (--dist loadgroup, pyproject.toml): a module's tests on one arch run in one worker, so
     its module-scoped fixtures (a built model, a prefilled cache) are made once and the worker's Taichi stays on
@@ -55,7 +56,10 @@ def pytest_collection_modifyitems(config, items):
     def group(item):
         callspec = getattr(item, "callspec", None)
         arch = callspec.params.get("arch") if callspec is not None else None
-        return f"{item.module.__name__}[{arch}]" if arch else item.module.__name__
+        # no brackets in the name: pytest-xdist takes a group from the node id's last "@" only where no "]"
+        # follows it, and a name with one left every test a group of its own (scattered over both workers,
+        # each switching Taichi's arch and rebuilding what its module shares)
+        return f"{item.module.__name__}-{arch}" if arch else item.module.__name__
 
     def rank(item):
         name = item.module.__name__
