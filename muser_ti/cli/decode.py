@@ -30,9 +30,10 @@ from muser_ti.engine import PINNED_MODES
 from muser_ti.interrupts import held_back
 from muser_ti.reference import relative_error
 
-# What a cold compile of the main job took, measured: muser-decode --config glimmer.yaml with TI_OFFLINE_CACHE_FILE_PATH
-# an empty folder, 64 s in all (60 s of it the first step), on a 2-core Intel Xeon VM shared with a test run
-COLD_COMPILE = "Glimmer's took 64 s on a 2-core VM"
+# What a cold compile of the main job took, measured with empty kernel caches (scripts/lab/readme_times.sh) on an
+# idle 2-core AMD EPYC VM (Zen 4): the first step 64 s on the CPU (68 s in all), 89 s on lavapipe (162 s in all);
+# earlier 64 s on a 2-core Intel Xeon VM shared with a test run
+COLD_COMPILE = "Glimmer's took 64 s on a 2-core VM's CPU, 89 s on lavapipe"
 
 
 def parser() -> ArgumentParser:
