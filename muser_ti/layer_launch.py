@@ -120,8 +120,9 @@ class CompiledLayers:
     @classmethod
     def create(cls, launcher, path: str):
         """The compiled path for ``launcher`` where ``path`` ("auto" | "capi" | "python") asks for it and the
-        C-API works here; None for the Python path.  "auto" falls back with one warning naming why (where the
-        C-API cannot load on the CPU or CUDA); "capi" raises instead."""
+        C-API works here; None for the Python path.  "auto" takes the C-API on the CPU and falls back with one
+        warning naming why where it cannot load, and takes the Python path on CUDA (not yet run on a GPU);
+        "capi" raises instead of falling back."""
         if path not in LAUNCH_PATHS:
             raise EngineError(f"launch={path!r}: expected one of {', '.join(LAUNCH_PATHS)}")
         arch = backend.active()
@@ -132,6 +133,10 @@ class CompiledLayers:
                 raise EngineError(f"launch='capi': the engine launches through Taichi's C-API on cpu and cuda; on "
                                   f"{arch} the planes live in the Python runtime's device, which a C-API runtime "
                                   f"cannot share (launch='auto' takes Taichi's Python path there)")
+            return None
+        if path == "auto" and arch == "cuda":
+            # written for CUDA (imports, the caller's stream) but not yet run on a GPU: the default stays on the
+            # path every CUDA test and figure ran on until it has; launch="capi" opts in
             return None
         try:
             return cls(launcher)
