@@ -58,6 +58,9 @@ def assert_mirrors_planes(eng, what=""):
 # the mirror is host bookkeeping beside the stores; the geometries change its row layout, not that: lavapipe runs one
 @pytest.mark.parametrize("geom", ["gqa16-d128", *not_on_lavapipe(*sorted(set(GEOMETRIES) - {"gqa16-d128"}))])
 def test_mirror_follows_the_planes_through_a_session(arch, geom, tmp_path):
+    """Over 30 s on lavapipe (34 s warm on the 2-core VM): a whole session with rewinds, snapshots and growth at
+    Glimmer's group shape, each step's planes read back and compared with the mirror; it is the one case lavapipe
+    runs of this test, the mirror's only check against device planes in CI."""
     # ring of 96 = window 64 + slack 32 (rewinds of up to 32 tokens), NoPE plane from 64 rows, doubling
     cfg = geometry(window=64, slack=32, **GEOMETRIES[geom])
     # where ggml can run (the CPU), with the pinned rung on, so its vec routes read the mirror
