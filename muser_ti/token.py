@@ -319,6 +319,13 @@ class Token(_Open):
                               f"({'; '.join(what)}); the token at position {self.start} was abandoned and the engine "
                               f"is as before it")
 
+    def check(self) -> None:
+        """Read what the device scans of this token's layers found, now (one wait; host inputs were checked as they
+        came): a refused layer abandons the token and raises naming it.  commit() calls it; a batch calls every
+        sequence's before any commits (batch.py)."""
+        if self._scans:
+            self._look()
+
     def commit(self) -> None:
         """Commit the token: every layer has attended.  A with-block commits at its exit."""
         if not self.is_open:
@@ -327,8 +334,7 @@ class Token(_Open):
         if missing is not None:
             raise EngineError(missing + "; attend the rest, or abandon() it")
         engine = self.engine
-        if self._scans:  # device inputs: what their scans found, read now (one wait)
-            self._look()
+        self.check()
         engine._serial += 1
         serial, final = engine._serial, self.plans[-1][1]
         steps = [(list(routes), mix) for _, _, routes, mix in self.plans]

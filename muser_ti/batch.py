@@ -1,0 +1,377 @@
+"""Many sequences at once: a pool of sequence slots on one geometry, attended together layer by layer.
+
+A server decodes many sequences per step (llama.cpp's slots, FlashInfer's batch decode, vLLM's and SGLang's
+continuous batching, mlx-lm's BatchGenerator).  :class:`Batch` holds up to ``max_sequences`` of them, each
+with everything one engine has: its own position, sliding-window rings and growing NoPE planes (so its own
+origins), its own ladder (the route of each of its layers follows its own plane state), rewind, snapshot,
+the float64 reference.  A slot is an :class:`~muser_ti.Engine`; the pool builds every slot up front, so the
+rings' memory is taken when the pool is made (each slot's rings hold the window and its slack; each growing
+plane grows on demand up to the slot's capacity).
+
+Sequences **join** (a free slot, empty; its prompt ingested as any engine's, ``Batch.prompt``) and **leave**
+(the slot emptied for the next) between steps without touching any other sequence's rows.  A full pool
+refuses the joining sequence, naming how many it holds and which sequences run; nothing else changes.
+
+Per step the model calls each layer once for the whole batch (:meth:`Batch.token`): ``attend(layer, q, k, v)``
+with ``q [B, n_heads, head_dim]`` (or ``[B, n, heads, d]``: n tokens a sequence), row ``b`` the step's b-th
+sequence.  The step is atomic over the batch: a refusal in any sequence (a bad value, a plane past its cap)
+names the sequence and its row, and abandons every sequence's token, so every sequence is exactly as before
+the step; so does an exception or Ctrl-C between layers.
+
+Today each sequence's layer goes out as that sequence's launches (the per-layer token's kernels, token.py), one
+sequence after another; the kernels that attend every sequence of a route in one launch are the next step
+(docs/design.md, "Many sequences").  The bits are those: a sequence in a batch gives exactly the bits it gives
+alone.
+"""
+
+from __future__ import annotations
+
+from . import arrays, inputs, interrupts
+from .config import Geometry
+from .engine import Engine
+from .errors import EngineError
+
+
+class Batch:
+    """A pool of ``max_sequences`` sequence slots on ``cfg``; engine options (``arch``, ``capacity``, ``pinned``,
+    ``launch``...) apply to every slot.  Sequences are named by the id :meth:`join` returns."""
+
+    def __init__(self, cfg: Geometry, max_sequences: int, arch: str = "auto", **engine_options):
+        max_sequences = inputs.integer("max_sequences", max_sequences)
+        if max_sequences < 1:
+            raise EngineError(f"max_sequences={max_sequences}: expected a positive number of sequence slots")
+        self.cfg = cfg
+        self._options = dict(engine_options)
+        self._slots = [Engine(cfg, arch=arch, **engine_options) for _ in range(max_sequences)]
+        self.arch = self._slots[0].arch
+        self._free = list(range(max_sequences))  # slots, lowest first
+        self._slot_of: dict[int, int] = {}  # sequence id -> slot, in the order they joined
+        self._next_id = 0
+        self._open = None  # the BatchToken or BatchPrompt in flight
+
+    @classmethod
+    def of(cls, engines: list) -> "Batch":
+        """A batch over engines that exist (each already one sequence's: mlx-lm makes a cache per sequence and merges
+        them), in that order, ids 0..n-1; no slot is free.  The engines are shared, not copied."""
+        if not engines:
+            raise EngineError("Batch.of: no engines")
+        cfg = engines[0].cfg
+        for i, eng in enumerate(engines):
+            if eng.cfg != cfg:
+                raise EngineError(f"Batch.of: engine {i}'s geometry {eng.cfg.name!r} is not engine 0's {cfg.name!r}")
+        if len({id(e) for e in engines}) != len(engines):
+            raise EngineError("Batch.of: an engine is listed twice; each sequence has its own")
+        batch = cls.__new__(cls)
+        batch.cfg, batch._options, batch._slots = cfg, {}, list(engines)
+        batch.arch = engines[0].arch
+        batch._free, batch._slot_of, batch._next_id, batch._open = [], {i: i for i in range(len(engines))}, len(engines), None
+        return batch
+
+    # ---- the pool --------------------------------------------------------------------------------------
+    @property
+    def max_sequences(self) -> int:
+        return len(self._slots)
+
+    @property
+    def sequences(self) -> list[int]:
+        """The ids of the sequences held, in the order they joined."""
+        return list(self._slot_of)
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def __repr__(self) -> str:
+        return (f"<Batch {self.cfg.name}: {len(self)} of {self.max_sequences} sequences "
+                f"{dict((i, self.sequence(i).position) for i in self._slot_of)} (id: position), arch {self.arch}>")
+
+    def sequence(self, seq: int) -> Engine:
+        """Sequence ``seq``'s engine: its position, planes, routes, rewind, save, reference."""
+        return self._slots[self._slot(seq, "sequence")]
+
+    def positions(self, seqs=None) -> list[int]:
+        return [self.sequence(s).position for s in self._ids(seqs, "positions")]
+
+    def join(self, snapshot=None) -> int:
+        """A new sequence in a free slot: empty, or resuming a session ``Engine.save`` wrote (``snapshot``, a path).
+        Returns its id.  A full pool refuses, naming what it holds; nothing changes."""
+        self._check_none_open("join")
+        if not self._free:
+            raise EngineError(f"join: the pool is full: {self.max_sequences} of {self.max_sequences} slots hold "
+                              f"sequences {self.sequences}; a joining sequence needs one free slot (let a sequence "
+                              f"leave, or build the Batch with max_sequences > {self.max_sequences})")
+        slot = self._free[0]
+        if snapshot is not None:
+            # loaded into the slot's engine in place: refused (a wrong geometry, a damaged file) with the slot as it was
+            self._slots[slot].load(snapshot)
+        self._free.pop(0)
+        seq, self._next_id = self._next_id, self._next_id + 1
+        self._slot_of[seq] = slot
+        return seq
+
+    def leave(self, seq: int) -> None:
+        """Sequence ``seq`` leaves: its slot is emptied (a fresh engine in its place: its rows are free) and taken by
+        the next sequence to join.  No other sequence's rows are touched."""
+        self._check_none_open("leave")
+        slot = self._slot(seq, "leave")
+        self._empty(seq)
+        del self._slot_of[seq]
+        self._free.append(slot)
+        self._free.sort()
+
+    def rewind(self, seq: int, position: int) -> None:
+        """Sequence ``seq`` back to ``position`` (Engine.rewind: refused, unchanged, past what its rings hold)."""
+        self._check_none_open("rewind")
+        self.sequence(seq).rewind(position)
+
+    def _empty(self, seq: int) -> None:
+        """Sequence ``seq``'s slot emptied: a fresh engine (the old one's planes are freed with it)."""
+        self._slots[self._slot_of[seq]] = Engine(self.cfg, arch=self.arch, **self._options)
+
+    def rewind_each(self, n: int) -> None:
+        """Every sequence takes back its last ``n`` tokens (a padded batch's crop); checked for every sequence first,
+        so a refusal (a ring that no longer holds what the next token needs) names the sequence and changes
+        nothing."""
+        self._check_none_open("rewind")
+        n = inputs.integer("rewind tokens", n)
+        for seq in self.sequences:
+            eng = self.sequence(seq)
+            if not 0 <= n <= eng.position:
+                raise EngineError(f"rewind {n} token(s): sequence {seq} holds {eng.position}; nothing was rewound")
+            try:
+                eng._planned(eng.cache.plan_rewind, eng.position - n)
+            except EngineError as e:
+                raise EngineError(f"rewind {n} token(s): sequence {seq}: {e}; nothing was rewound") from e
+        for seq in self.sequences:
+            self.sequence(seq).rewind(self.sequence(seq).position - n)
+
+    # ---- a step ----------------------------------------------------------------------------------------
+    def token(self, seqs=None, n: int = 1) -> "BatchToken":
+        """Open the next token (``n`` tokens a sequence) of the sequences ``seqs`` (default: every sequence held, in
+        the order they joined; row b of every array is ``seqs[b]``)::
+
+            with batch.token() as t:
+                out_l = t.attend(layer, q_l, k_l, v_l)   # q_l [B, n_heads, head_dim], k_l/v_l [B, n_kv_heads, head_dim]
+        """
+        return BatchToken(self, self._ids(seqs, "token"), n)
+
+    def prompt(self, lengths: dict[int, int]) -> "BatchPrompt":
+        """Open the prompts of several sequences, ``{seq: tokens}`` (each sequence's own length), whose K/V arrive
+        layer by layer: ``with batch.prompt({a: 300, b: 12}) as p: p.store(layer, {a: (k, v), b: (k, v)})``."""
+        return BatchPrompt(self, lengths)
+
+    # ---- helpers ---------------------------------------------------------------------------------------
+    def _slot(self, seq, what: str) -> int:
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq not in self._slot_of:
+            raise EngineError(f"{what}: no sequence {seq!r} in the batch (it holds {self.sequences})")
+        return self._slot_of[seq]
+
+    def _ids(self, seqs, what: str) -> list[int]:
+        if seqs is None:
+            ids = self.sequences
+        else:
+            ids = [inputs.integer(f"{what} sequence", s) for s in seqs]
+            for s in ids:
+                self._slot(s, what)
+            dup = sorted({s for s in ids if ids.count(s) > 1})
+            if dup:
+                raise EngineError(f"{what}: sequence(s) {dup} listed twice; each sequence is one row of the batch")
+        if not ids:
+            raise EngineError(f"{what}: no sequences (the batch holds {self.sequences})")
+        return ids
+
+    def _check_none_open(self, what: str) -> None:
+        if self._open is not None and self._open.is_open:
+            raise EngineError(f"{what}: {self._open.describe()}; commit or abandon it first")
+
+
+class _BatchOpen:
+    """What BatchToken and BatchPrompt share: one open token (or prompt) per sequence, committed or abandoned
+    together."""
+
+    what = "token"
+
+    def __init__(self, batch: Batch, seqs: list[int]):
+        batch._check_none_open(self.what)
+        self.batch, self.seqs = batch, seqs
+        self.opened: list = []
+        self.is_open = False
+
+    def _open_each(self, open_one) -> None:
+        try:
+            for row, seq in enumerate(self.seqs):
+                self.opened.append(open_one(seq, self.batch.sequence(seq)))
+        except EngineError as e:
+            self._abandon_opened()
+            raise EngineError(f"{self.what} of sequence {seq} (row {row}): {e}; nothing was opened") from e
+        except BaseException:
+            self._abandon_opened()
+            raise
+        self.is_open = True
+        self.batch._open = self
+
+    def _abandon_opened(self) -> None:
+        for one in self.opened:
+            one.abandon()
+        self.opened = []
+
+    def describe(self) -> str:
+        return f"a batch {self.what} of sequences {self.seqs} is open"
+
+    def _refused(self, row: int, e: Exception):
+        """Sequence ``row`` refused a layer: every sequence's token is abandoned; the error names the sequence."""
+        self.abandon()
+        return EngineError(f"sequence {self.seqs[row]} (row {row}): {e}; every sequence's {self.what} of this step was "
+                           f"abandoned and the batch is as before it")
+
+    def _rows(self, name: str, x, layer: int, verb: str):
+        """Row views of a [B, ...] array in its own kind."""
+        shape = tuple(x.shape)
+        if not shape or shape[0] != len(self.seqs):
+            self.abandon()
+            raise EngineError(f"{verb} layer {layer} {name}: shape {shape}, expected the batch's {len(self.seqs)} "
+                              f"sequences first ([B, ...], row b is sequence seqs[b] of {self.seqs}); the step was "
+                              f"abandoned")
+        return [x[b] for b in range(len(self.seqs))]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self.is_open:
+            return False
+        if exc_type is not None:
+            self.abandon()
+            return False
+        self.commit()
+        return False
+
+    def abandon(self) -> None:
+        """Undo every sequence's token: each exactly as before it.  Closed: nothing to do."""
+        if not self.is_open:
+            return
+        with interrupts.held_back():
+            self._abandon_opened()
+            self._close()
+
+    def _close(self) -> None:
+        self.is_open = False
+        if self.batch._open is self:
+            self.batch._open = None
+
+
+class BatchToken(_BatchOpen):
+    """The next token of several sequences, attended layer by layer (Batch.token opens one)."""
+
+    def __init__(self, batch: Batch, seqs: list[int], n: int = 1):
+        super().__init__(batch, seqs)
+        self.n = n
+        self._open_each(lambda seq, eng: eng.token(n))
+
+    def attend(self, layer: int, q, k, v):
+        """Attend every sequence's token at ``layer``: q [B, n_heads, head_dim] (or [B, n, heads, d]), k and v
+        [B, n_kv_heads, head_dim] (or [B, n, ...]), any kind arrays.py takes; returns [B, ...] like q, in q's kind."""
+        if not self.is_open:
+            raise EngineError(f"attend layer {layer!r}: this batch token is closed (committed or abandoned)")
+        rows = [self._rows(name, x, layer, "attend") for name, x in (("q", q), ("k", k), ("v", v))]
+        outs = []
+        for b, tok in enumerate(self.opened):
+            try:
+                outs.append(tok.attend(layer, rows[0][b], rows[1][b], rows[2][b]))
+            except EngineError as e:
+                raise self._refused(b, e) from e
+            except BaseException:
+                self.abandon()
+                raise
+        return stack(outs, q)
+
+    def commit(self) -> None:
+        """Commit every sequence's token (every layer has attended).  The device scans' flags of every sequence are
+        read first, so a refusal abandons them all before any commits."""
+        if not self.is_open:
+            raise EngineError("commit: this batch token is closed (committed or abandoned)")
+        for b, tok in enumerate(self.opened):
+            try:
+                tok.check()
+            except EngineError as e:
+                raise self._refused(b, e) from e
+        with interrupts.held_back():
+            for tok in self.opened:
+                tok.commit()
+            self._close()
+
+
+class BatchPrompt(_BatchOpen):
+    """Several sequences' prompts, each its own length, stored layer by layer (Batch.prompt opens one)."""
+
+    what = "prompt"
+
+    def __init__(self, batch: Batch, lengths: dict[int, int]):
+        if not isinstance(lengths, dict) or not lengths:
+            raise EngineError(f"prompt: expected {{sequence: tokens}} for one or more sequences, got {lengths!r}")
+        seqs = batch._ids(list(lengths), "prompt")
+        super().__init__(batch, seqs)
+        held = {s: batch.sequence(s).position for s in seqs if batch.sequence(s).position}
+        if held:
+            raise EngineError(f"prompt: sequence(s) {held} (id: position) already hold tokens; a prompt goes into an "
+                              f"empty sequence (more tokens after it: token(n))")
+        self.lengths = dict(lengths)
+        self._open_each(lambda seq, eng: eng.prompt(lengths[seq]))
+
+    def store(self, layer: int, kv: dict) -> None:
+        """Every sequence's K/V at ``layer``: ``{seq: (k, v)}``, each [tokens, n_kv_heads, head_dim] of that sequence's
+        length."""
+        if not self.is_open:
+            raise EngineError(f"store layer {layer!r}: this batch prompt is closed (committed or abandoned)")
+        if not isinstance(kv, dict) or sorted(kv) != sorted(self.seqs):
+            got = sorted(kv) if isinstance(kv, dict) else type(kv).__name__
+            self.abandon()
+            raise EngineError(f"store layer {layer}: expected K/V for sequences {sorted(self.seqs)}, got {got}; the "
+                              f"prompts were abandoned")
+        for b, (seq, pr) in enumerate(zip(self.seqs, self.opened)):
+            try:
+                pr.store(layer, *kv[seq])
+            except EngineError as e:
+                raise self._refused(b, e) from e
+            except BaseException:
+                self.abandon()
+                raise
+
+    def commit(self) -> None:
+        """Every sequence's prompt goes in as its prefill (each was planned when it opened).  Should one still fail,
+        the sequences already in are emptied again: a prompt opens only on an empty sequence."""
+        if not self.is_open:
+            raise EngineError("commit: this batch prompt is closed (committed or abandoned)")
+        done = []
+        with interrupts.held_back():
+            try:
+                for seq, pr in zip(self.seqs, self.opened):
+                    pr.commit()
+                    done.append(seq)
+            except BaseException:
+                for seq in done:
+                    self.batch._empty(seq)
+                self._abandon_opened()
+                self._close()
+                raise
+            self._close()
+
+
+def stack(outs: list, like):
+    """Per-sequence outputs as one [B, ...] array of ``like``'s kind."""
+    kind = arrays.framework_of(like)
+    if kind == "torch":
+        import torch
+
+        return torch.stack(outs)
+    if kind == "mlx":
+        import mlx.core as mx
+
+        return mx.stack(outs)
+    import numpy as np
+
+    if kind == "numpy":
+        return np.stack(outs)
+    return arrays.like_input(np.stack([arrays.to_host("out", o) for o in outs]), like)
+
+
+__all__ = ["Batch", "BatchPrompt", "BatchToken", "stack"]

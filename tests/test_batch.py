@@ -1,0 +1,224 @@
+"""Many sequences at once (muser_ti/batch.py): a pool of sequence slots attended together, layer by layer.
+
+Each sequence in a batch is held to what it gives alone: the same routes and output bits as a lone engine fed
+the same prompt and tokens, and the float64 reference (over its planes and over the test's own record of its
+tokens), with prompts of different lengths (one past the window, so its ring has wrapped; one short) and
+sequences joining and leaving between steps.  A step is atomic over the batch: a refusal in one sequence names
+it and leaves every sequence exactly as before.
+"""
+
+import numpy as np
+import pytest
+
+import muser_ti as mt
+from muser_ti import EngineError
+from muser_ti.batch import Batch
+from sessions import GEOMETRIES, NOT_ON_LAVAPIPE, Session, geometry
+from test_hostile import assert_same_state, state
+
+# Glimmer's group shape and a small one; 4 layers (three SWA, one NoPE) with a 64-row window
+BATCH_GEOMETRIES = {name: GEOMETRIES[name] for name in ("gqa16-d128", "gqa4-d64")}
+PROMPTS = (70, 35, 50)  # past the window (the ring has wrapped), short, near it: all three wrap within 30 steps
+
+
+def _prompt(batch, sessions: dict, lengths: dict, lone: dict | None = None):
+    """Each sequence's prompt through batch.prompt, layer by layer; the same rows into its lone twin."""
+    rows = {seq: sessions[seq].rows(n) for seq, n in lengths.items()}
+    with batch.prompt(lengths) as p:
+        for layer in range(batch.cfg.n_layers):
+            p.store(layer, {seq: (k[:, layer], v[:, layer]) for seq, (k, v) in rows.items()})
+    for seq, (k, v) in rows.items():
+        sessions[seq].record_rows(k, v)
+        if lone is not None and seq in lone:
+            lone[seq].prefill(k, v)
+
+
+def _step(batch, sessions: dict, seqs=None):
+    """One token of every sequence in ``seqs`` through batch.token: (tokens per sequence, out [B, layers, H, D])."""
+    seqs = batch.sequences if seqs is None else seqs
+    toks = {seq: sessions[seq].token() for seq in seqs}
+    q, k, v = (np.stack([toks[s][i] for s in seqs]) for i in range(3))  # [B, layers, ...]
+    with batch.token(seqs) as t:
+        out = np.stack([t.attend(layer, q[:, layer], k[:, layer], v[:, layer])
+                        for layer in range(batch.cfg.n_layers)], axis=1)
+    for seq in seqs:
+        sessions[seq].record(*toks[seq][1:])
+    return toks, out
+
+
+def _lone_token(eng, q, k, v):
+    with eng.token() as t:
+        return np.stack([t.attend(layer, q[layer], k[layer], v[layer]) for layer in range(eng.cfg.n_layers)])
+
+
+# lavapipe runs one case: a batch is its sequences' own per-layer tokens, whose kernels test_token holds to step()'s
+# bits on every backend; the CPU and hardware backends run all six
+@pytest.mark.parametrize("geom, dist", [
+    pytest.param(g, d, id=f"{g}-{d}", marks=() if (g, d) == ("gqa4-d64", "peaked") else NOT_ON_LAVAPIPE)
+    for g in BATCH_GEOMETRIES for d in ("normal", "peaked", "large")])
+def test_each_sequence_in_a_batch_has_its_lone_bits(arch, geom, dist):
+    """Three sequences, prompts of 70 (wrapped), 35 and 50 tokens, then 30 steps: each sequence's ring wraps and its
+    NoPE plane grows at its own step.  Every step, every sequence: a lone engine's routes and bits, and within the
+    f32 bound of both float64 references."""
+    cfg = geometry(**BATCH_GEOMETRIES[geom])
+    batch = Batch(cfg, 3, arch=arch)
+    seqs = [batch.join() for _ in PROMPTS]
+    sessions = {seq: Session(batch.sequence(seq), seed=10 + seq, dist=dist) for seq in seqs}
+    lone = {seq: mt.Engine(cfg, arch=arch) for seq in seqs}
+    _prompt(batch, sessions, dict(zip(seqs, PROMPTS)), lone)
+    grew, wrapped = set(), set()
+    for _ in range(30):
+        toks, out = _step(batch, sessions)
+        for b, seq in enumerate(seqs):
+            q, k, v = toks[seq]
+            np.testing.assert_array_equal(out[b], _lone_token(lone[seq], q, k, v), err_msg=f"sequence {seq}")
+            eng = batch.sequence(seq)
+            assert eng.routes == lone[seq].routes
+            sessions[seq].verify(out[b], q, k, v)
+            if eng.plane_state(3).capacity > 64:
+                grew.add(seq)
+            if eng.plane_state(0).is_wrapped:
+                wrapped.add(seq)
+    assert batch.positions() == [n + 30 for n in PROMPTS]
+    assert grew == set(seqs) and wrapped == set(seqs), "every sequence's ring wrapped and NoPE plane grew"
+    for seq in seqs:
+        assert_same_state(state(batch.sequence(seq)), state(lone[seq]))
+
+
+def test_sequences_join_and_leave_between_steps(arch):
+    """A pool of two: a third sequence is refused while both run (the message names the pool and who holds it,
+    nothing changes); one leaves, the newcomer takes its slot empty, and the one still running continues with its
+    lone twin's bits throughout."""
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    batch = Batch(cfg, 2, arch=arch)
+    a, b = batch.join(), batch.join()
+    sessions = {a: Session(batch.sequence(a), seed=1), b: Session(batch.sequence(b), seed=2)}
+    lone_b = mt.Engine(cfg, arch=arch)
+    _prompt(batch, sessions, {a: 12, b: 66}, {b: lone_b})
+    toks, out = _step(batch, sessions)
+    np.testing.assert_array_equal(out[1], _lone_token(lone_b, *toks[b]))
+    before = {s: state(batch.sequence(s)) for s in (a, b)}
+    with pytest.raises(EngineError, match=r"join: the pool is full: 2 of 2 slots hold sequences \[0, 1\].*"
+                                          r"max_sequences > 2"):
+        batch.join()
+    for s in (a, b):
+        assert_same_state(state(batch.sequence(s)), before[s])
+
+    batch.leave(a)
+    assert batch.sequences == [b]
+    c = batch.join()
+    assert c not in (a, b) and batch.sequences == [b, c] and batch.sequence(c).position == 0
+    sessions[c] = Session(batch.sequence(c), seed=3)
+    _prompt(batch, sessions, {c: 20})
+    for _ in range(5):
+        toks, out = _step(batch, sessions)
+        np.testing.assert_array_equal(out[0], _lone_token(lone_b, *toks[b]))
+        sessions[c].verify(out[1], *toks[c])
+    # a step of some of the sequences: the others stay where they are
+    _step(batch, sessions, seqs=[c])
+    assert batch.positions([b, c]) == [66 + 6, 20 + 6]
+    with pytest.raises(EngineError, match=r"leave: no sequence 0 in the batch \(it holds \[1, 2\]\)"):
+        batch.leave(a)
+
+
+@pytest.mark.parametrize("where", ["bad value", "exception between layers", "batch size"])
+def test_a_refused_step_leaves_every_sequence_as_before(arch, where):
+    """A NaN in one sequence's row at layer 2, an exception in the model between layers, or arrays of the wrong
+    batch size: the step is abandoned for every sequence (the error names the sequence and its row), and the next
+    step has the bits of a batch that never saw it."""
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    twins = [Batch(cfg, 3, arch=arch) for _ in range(2)]
+    sessions = []
+    for batch in twins:
+        seqs = [batch.join() for _ in PROMPTS]
+        ss = {seq: Session(batch.sequence(seq), seed=20 + seq) for seq in seqs}
+        _prompt(batch, ss, dict(zip(seqs, PROMPTS)))
+        _step(batch, ss)
+        sessions.append(ss)
+    batch = twins[0]
+    before = {s: state(batch.sequence(s)) for s in batch.sequences}
+    toks = {seq: sessions[0][seq].token() for seq in batch.sequences}
+    q, k, v = (np.stack([toks[s][i] for s in batch.sequences]) for i in range(3))
+    if where == "bad value":
+        k[1, 2, 0, 5] = np.nan
+        with pytest.raises(EngineError, match=r"sequence 1 \(row 1\): attend layer 2 k: non-finite value nan.*every "
+                                              r"sequence's token of this step was abandoned"):
+            with batch.token() as t:
+                for layer in range(cfg.n_layers):
+                    t.attend(layer, q[:, layer], k[:, layer], v[:, layer])
+    elif where == "exception between layers":
+        with pytest.raises(KeyError):
+            with batch.token() as t:
+                t.attend(0, q[:, 0], k[:, 0], v[:, 0])
+                raise KeyError("the model raised")
+    else:
+        with pytest.raises(EngineError, match=r"attend layer 0 q: shape \(2, 8, 64\), expected the batch's 3 sequences"):
+            with batch.token() as t:
+                t.attend(0, q[:2, 0], k[:2, 0], v[:2, 0])
+    assert batch._open is None
+    for s in batch.sequences:
+        assert_same_state(state(batch.sequence(s)), before[s])
+    for s in batch.sequences:  # the refused step's tokens were never recorded: both twins are at the same step
+        sessions[0][s].rng = np.random.default_rng(99 + s)
+        sessions[1][s].rng = np.random.default_rng(99 + s)
+    _, out = _step(batch, sessions[0])
+    _, twin_out = _step(twins[1], sessions[1])
+    np.testing.assert_array_equal(out, twin_out)
+
+
+def test_rewind_and_snapshot_one_sequence(arch, tmp_path):
+    """One sequence rewinds (the others untouched); one is saved and resumed into a new slot, bit for bit."""
+    cfg = geometry(**GEOMETRIES["gqa4-d64"], slack=4)
+    batch = Batch(cfg, 3, arch=arch)
+    a, b = batch.join(), batch.join()
+    sessions = {a: Session(batch.sequence(a), seed=5), b: Session(batch.sequence(b), seed=6)}
+    _prompt(batch, sessions, {a: 70, b: 30})
+    for _ in range(4):
+        _step(batch, sessions)
+    held_b = state(batch.sequence(b))
+    batch.rewind(a, 72)
+    sessions[a].truncate(72)
+    assert batch.positions() == [72, 34]
+    assert_same_state(state(batch.sequence(b)), held_b)
+
+    path = tmp_path / "a.safetensors"
+    batch.sequence(a).save(path)
+    c = batch.join(snapshot=path)
+    assert batch.sequence(c).position == 72
+    assert [batch.sequence(c).plane_state(layer) for layer in range(4)] == \
+        [batch.sequence(a).plane_state(layer) for layer in range(4)]
+    q, k, v = sessions[a].token()
+    outs = []
+    for seq in (a, c):
+        with batch.token([seq]) as t:
+            outs.append(np.stack([t.attend(layer, q[None, layer], k[None, layer], v[None, layer])[0]
+                                  for layer in range(cfg.n_layers)]))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    sessions[a].record(k, v)
+    sessions[a].verify(outs[0], q, k, v)
+
+
+def test_bad_batch_calls_are_refused_naming_what_is_wrong(arch):
+    """Each refusal names the value and what is allowed, and changes nothing."""
+    cfg = geometry(**GEOMETRIES["gqa4-d64"], max_context=256)
+    with pytest.raises(EngineError, match=r"max_sequences=0: expected a positive number"):
+        Batch(cfg, 0, arch=arch)
+    batch = Batch(cfg, 2, arch=arch)
+    a, b = batch.join(), batch.join()
+    with pytest.raises(EngineError, match=r"prompt of sequence 1 \(row 1\): prompt of 300 token\(s\) at position 0 "
+                                          r"passes max_context=256; nothing was opened"):
+        batch.prompt({a: 10, b: 300})
+    assert batch._open is None and batch.positions() == [0, 0]
+    with pytest.raises(EngineError, match=r"token: no sequence 7 in the batch \(it holds \[0, 1\]\)"):
+        batch.token([a, 7])
+    with pytest.raises(EngineError, match=r"sequence\(s\) \[0\] listed twice"):
+        batch.token([a, a])
+    sessions = {a: Session(batch.sequence(a)), b: Session(batch.sequence(b))}
+    _prompt(batch, sessions, {a: 10, b: 3})
+    with pytest.raises(EngineError, match=r"prompt: sequence\(s\) \{0: 10\} \(id: position\) already hold tokens"):
+        batch.prompt({a: 4})
+    with batch.token() as t:
+        with pytest.raises(EngineError, match=r"join: a batch token of sequences \[0, 1\] is open"):
+            batch.join()
+        t.abandon()
+    assert batch.positions() == [10, 3]
