@@ -25,8 +25,10 @@ the same f16 values, and the same greedy token wherever the reference's top two 
 bound; (b) free-running greedy gives the reference's tokens (a near-tie, a top-two gap within the bound, may
 go either way, and the runs part there); (c) a snapshot resumed continues bit for bit; (d) assisted decoding,
 its rejections reaching Engine.rewind, gives greedy's tokens; (e) an exception or Ctrl-C mid-forward leaves
-the engine as before (the next step has the uninterrupted run's bits), batch 2 is refused, register() is
-idempotent, a wrong scaling or window is refused naming it.
+the engine as before (the next step has the uninterrupted run's bits), register() is
+idempotent, a wrong scaling or window is refused naming it; (f) a left-padded batch of two prompts (one past the
+window, one short) through ``generate`` gives transformers' own batch's tokens where decided and logits within the
+f16 bound, rows finishing apart included; right padding and a batch of another size are refused.
 """
 
 from __future__ import annotations
@@ -422,15 +424,113 @@ def test_crop_rewinds_and_refuses_past_the_rings(model, reference, teacher):
     assert torch.equal(torch.stack(got), teacher["logits"][SNAP - 1:SNAP + 1])
 
 
-def test_batch_of_two_is_refused(model):
+# ---- (f) a left-padded batch through generate --------------------------------------------------------
+NEW_BATCH = 24  # tokens each row decodes
+
+
+def _left_padded(model, lengths):
+    """Prompts of ``lengths`` (fixed random ids, one seed a row), left-padded: (ids [B, P], attention_mask)."""
+    P = max(lengths)
+    ids = torch.zeros((len(lengths), P), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        ids[b, P - n:], mask[b, P - n:] = prompt_ids(n, seed=100 + b)[0], 1
+    return ids.to(model.device), mask.to(model.device)
+
+
+@pytest.fixture(scope="module")
+def batch_runs(model):
+    """transformers' own batch generate (sdpa, DynamicCache) and the same batch on a MuserCache: two prompts of
+    different lengths, one past the window (its ring wraps in the prompt) and one short, greedy, with logits;
+    then the same with an end-of-sequence token the first row reaches early, so the rows finish apart."""
+    lengths = [model.window + 20, 12]
+    ids, mask = _left_padded(model, lengths)
+    kw = dict(attention_mask=mask, max_new_tokens=NEW_BATCH, do_sample=False, output_logits=True,
+              return_dict_in_generate=True, pad_token_id=0)
+    runs = {"lengths": lengths, "P": ids.shape[1]}
+    with timed(f"batch of 2 generate, sdpa and engine ({_layers_of(model)} layers)"):
+        runs["sdpa"] = _attn(model, "sdpa").generate(ids, **kw)
+        cache = _cache(model)
+        runs["engine"] = _attn(model, "muser_ti").generate(ids, cache=cache, **kw)
+        runs["cache"] = cache
+        eos = int(runs["sdpa"].sequences[0, ids.shape[1] + 5])  # row 0's sixth token ends it
+        runs["eos"] = eos
+        runs["sdpa_eos"] = _attn(model, "sdpa").generate(ids, eos_token_id=eos, **kw)
+        runs["engine_eos"] = _attn(model, "muser_ti").generate(ids, cache=_cache(model), eos_token_id=eos, **kw)
+    return runs
+
+
+def _rows_agree(model, want, got, P):
+    """Each row: the same tokens until a near-tie of ``want``'s logits, and logits within the f16 bound up to
+    there.  Returns the steps compared per row."""
+    rtol = tolerances.model_logit_rtol_f16_planes(_layers_of(model))
+    want_logits, got_logits = torch.stack(want.logits).float().cpu(), torch.stack(got.logits).float().cpu()
+    compared = []
+    for b in range(want.sequences.shape[0]):
+        wl = want_logits[:, b]
+        same = _same_tokens_until_a_tie(got.sequences[b, P:].cpu(), want.sequences[b, P:].cpu(), wl, rtol)
+        rel = _relative(got_logits[:same + 1, b], wl[:same + 1]) if same < len(wl) else _relative(got_logits[:, b], wl)
+        assert float(rel.max()) <= rtol, f"row {b}: logits {float(rel.max()):.4g} > model_logit_rtol_f16_planes {rtol:.4g}"
+        compared.append(same)
+    return compared
+
+
+def test_a_left_padded_batch_generates_what_transformers_does(model, batch_runs):
+    """Row by row, greedy tokens equal to transformers' own batch where decided, logits within the f16 bound; each
+    sequence holds its own tokens only (no padding), its ring wrapped or not by its own length."""
+    P, lengths = batch_runs["P"], batch_runs["lengths"]
+    compared = _rows_agree(model, batch_runs["sdpa"], batch_runs["engine"], P)
+    if _layers_of(model) == 8:
+        assert compared == [NEW_BATCH, NEW_BATCH]
+    cache = batch_runs["cache"]
+    assert cache.batch_size == 2 and cache.get_seq_length() == P + NEW_BATCH - 1
+    assert cache.batch.positions() == [n + NEW_BATCH - 1 for n in lengths]
+    long_seq, short_seq = (cache.batch.sequence(s) for s in cache.batch.sequences)
+    assert long_seq.plane_state(0).is_wrapped and not short_seq.plane_state(0).is_wrapped
+    with pytest.raises(EngineError, match="cache.batch.sequence"):
+        cache.engine
+
+
+def test_batch_rows_finish_apart(model, batch_runs):
+    """Row 0 ends at its sixth token (the end-of-sequence id), row 1 runs on: both as transformers' own batch."""
+    P, eos = batch_runs["P"], batch_runs["eos"]
+    want, got = batch_runs["sdpa_eos"], batch_runs["engine_eos"]
+    assert int(want.sequences[0, P + 5]) == eos and want.sequences.shape[1] > P + 6
+    _rows_agree(model, want, got, P)
+    assert torch.equal(got.sequences[0, P + 6:].cpu(), torch.zeros_like(got.sequences[0, P + 6:].cpu()))
+
+
+def test_a_batch_each_row_alone(model, batch_runs):
+    """Each row's tokens are the ones its prompt gives alone, on a one-sequence MuserCache, where decided."""
+    P, rtol = batch_runs["P"], tolerances.model_logit_rtol_f16_planes(_layers_of(model))
+    ids, mask = _left_padded(model, batch_runs["lengths"])
+    b = 1  # the short row (the long one is the teacher run's kind of sequence)
+    alone = _attn(model, "muser_ti").generate(ids[b:, P - batch_runs["lengths"][b]:], cache=_cache(model),
+                                               max_new_tokens=NEW_BATCH, do_sample=False, output_logits=True,
+                                               return_dict_in_generate=True)
+    want = batch_runs["sdpa"]
+    _same_tokens_until_a_tie(alone.sequences[0, batch_runs["lengths"][b]:].cpu(),
+                             batch_runs["engine"].sequences[b, P:].cpu(), torch.stack(want.logits).float().cpu()[:, b],
+                             rtol)
+
+
+def test_batch_refusals_leave_the_cache_as_it_was(model):
+    """Right padding, a batch of another size on a cache that holds a batch, beam search: refused naming why."""
     cache = _cache(model)
-    with pytest.raises(EngineError, match="batch size 2, expected 1"):
-        _attn(model, "muser_ti")(input_ids=_ids(model, 6).expand(2, 6), cache=cache)
-    assert cache.get_seq_length() == 0 and cache.engine.open_token is None
-    with pytest.raises(EngineError, match="batch size 2"):
-        model.generate(_ids(model, 6), max_new_tokens=2, num_return_sequences=2, do_sample=True, cache=_cache(model))
+    ids, mask = _left_padded(model, [10, 6])
+    right = mask.flip(-1)
+    with pytest.raises(EngineError, match="padded on the left only"):
+        _attn(model, "muser_ti")(input_ids=ids, attention_mask=right, cache=cache)
+    assert cache.get_seq_length() == 0 and all(p == 0 for p in cache.batch.positions())
+    _attn(model, "muser_ti")(input_ids=ids, attention_mask=mask, cache=cache)
+    assert cache.batch.positions() == [10, 6] and cache.get_seq_length() == 10
+    with pytest.raises(EngineError, match=r"holds 2 sequence\(s\) at position 10: a forward of batch size 3"):
+        _attn(model, "muser_ti")(input_ids=ids[:1].expand(3, -1), cache=cache)
+    assert cache.batch.positions() == [10, 6]
     with pytest.raises(EngineError, match="beam search"):
-        cache.reorder_cache(torch.tensor([0]))
+        cache.reorder_cache(torch.tensor([1, 0]))
+    with pytest.raises(EngineError, match="cannot repeat its sequences 2 times"):
+        cache.batch_repeat_interleave(2)
 
 
 def test_padding_is_refused(model):

@@ -192,4 +192,141 @@ class Forward:
         self.engine.save(path)
 
 
-__all__ = ["Forward", "build_engine", "current", "slack_for"]
+class BatchForward:
+    """A batch's forward on a :class:`~muser_ti.batch.Batch`: what :class:`Forward` does for one engine, for the
+    left-padded batch a framework's ``generate`` runs (row b of every tensor is sequence ``seqs[b]``).
+
+    The framework's tensors are padded: a row's first ``pads[b]`` positions are padding that its mask hides.  The
+    batch holds each sequence's real tokens only, so sequence b's position is the padded length less ``pads[b]``
+    (``position`` here is the padded length, as the framework counts it).  The prompt's padding is known from
+    its mask at layer 0's attention (``store(..., pads)``), so a batch prompt opens there, not at the cache call."""
+
+    def __init__(self, batch, cache_call: str, route_hint: str, owner=None):
+        self.batch = batch
+        self.seqs = batch.sequences or [batch.join() for _ in range(batch.max_sequences)]
+        self.pads = [0] * len(self.seqs)
+        self.spans = None
+        self.owner = owner
+        self.cache_call, self.route_hint = cache_call, route_hint
+        self.opened = None  # the BatchToken or BatchPrompt in flight
+        self.mode = None
+        self.n = 0
+        self.next_layer = 0
+        self.pending = None
+        self.rewinds = 0
+        self.tokens_rewound = 0
+
+    @property
+    def n_layers(self) -> int:
+        return self.batch.cfg.n_layers
+
+    @property
+    def size(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def empty(self) -> bool:
+        return all(p == 0 for p in self.batch.positions(self.seqs))
+
+    @property
+    def position(self) -> int:
+        """The padded length: every row's padding and tokens (the same for every row)."""
+        return self.pads[0] + self.batch.sequence(self.seqs[0]).position
+
+    @property
+    def rollback(self) -> int:
+        cfg = self.batch.cfg
+        return cfg.swa_ring_slack + 1 if cfg.swa_layers else min(self.batch.positions(self.seqs))
+
+    def hand(self, layer: int, n: int, k, v) -> None:
+        """As Forward.hand; a token forward opens every sequence's token at layer 0, a prompt waits for its mask."""
+        if not 0 <= layer < self.n_layers:
+            raise EngineError(f"{self.cache_call} layer {layer}: the engine has layers 0..{self.n_layers - 1}")
+        if tuple(k.shape)[0] != self.size:
+            self.recover()
+            raise EngineError(f"{self.cache_call} layer {layer}: batch size {tuple(k.shape)[0]}, but this cache holds "
+                              f"{self.size} sequences (a cache serves one batch: reset() it, or build another)")
+        if layer == 0:
+            self.recover()
+            if n > 1 and self.empty:
+                self.mode = "prompt"
+            else:
+                self.mode, self.opened = "token", self.batch.token(self.seqs, n)
+            self.n, self.next_layer = n, 0
+            _CURRENT.set(self)
+        else:
+            problem = self._out_of_order(layer, n)
+            if problem is not None:
+                self.recover()
+                raise EngineError(f"{self.cache_call}: {problem}; the batch is as before this forward")
+        self.pending = (layer, k, v)
+
+    def _out_of_order(self, layer: int, n: int) -> str | None:
+        if self.mode is None or (self.opened is not None and not self.opened.is_open):
+            return (f"layer {layer} arrived with no forward open (layer 0 opens it): layers must run "
+                    f"0..{self.n_layers - 1} in order")
+        if self.pending is not None:
+            return (f"layer {self.pending[0]}'s attention did not run through the engine ({self.route_hint}), so the "
+                    f"engine never saw it")
+        if layer != self.next_layer:
+            return f"layer {layer} arrived where layer {self.next_layer} was next"
+        if n != self.n:
+            return f"layer {layer} has {n} token(s), the forward opened with {self.n}"
+        return None
+
+    take = Forward.take
+
+    def attend(self, layer: int, q, k, v):
+        """A token forward's attention at ``layer``: q [B, n, heads, d] or [B, heads, d], k/v likewise."""
+        out = self.opened.attend(layer, q, k, v)
+        self.next_layer += 1
+        return out
+
+    def store(self, layer: int, k, v, spans: list[tuple[int, int]]) -> None:
+        """A prompt forward's K/V at ``layer``, [B, tokens, kv_heads, d], row b's tokens ``spans[b]`` = (start, stop)
+        (left padding, known from the mask: (pad, n); right padding: (0, length)): layer 0 opens each sequence's
+        prompt with its own length (a row with none stays empty)."""
+        spans = [(int(a), int(b)) for a, b in spans]
+        if layer == 0:
+            self.spans = spans
+            self.pads = [a for a, _ in spans]
+            self.opened = self.batch.prompt({seq: b - a for seq, (a, b) in zip(self.seqs, spans) if b > a})
+        elif spans != self.spans:
+            raise EngineError(f"{self.cache_call} layer {layer}: the prompt's rows hold tokens {spans}, layer 0's "
+                              f"{self.spans}")
+        self.opened.store(layer, {seq: (k[b, lo:hi], v[b, lo:hi])
+                                  for b, (seq, (lo, hi)) in enumerate(zip(self.seqs, spans)) if hi > lo})
+        self.next_layer += 1
+
+    def finish(self, layer: int) -> None:
+        if layer == self.n_layers - 1:
+            opened, self.opened, self.mode = self.opened, None, None
+            self._release()
+            opened.commit()
+
+    def recover(self) -> None:
+        self.pending = None
+        self._release()
+        opened, self.opened, self.mode = self.opened, None, None
+        if opened is not None and opened.is_open:
+            opened.abandon()
+
+    _release = Forward._release
+
+    def rewind(self, n: int, who: str, option: str) -> int:
+        """Every sequence takes back its last ``n`` tokens (Batch.rewind_each: all or none)."""
+        self.recover()
+        n_eff = min(int(n), min(self.batch.positions(self.seqs)))
+        if n_eff <= 0:
+            return 0
+        try:
+            self.batch.rewind_each(n_eff)
+        except EngineError as e:
+            raise EngineError(f"{who}: {e} (this cache takes back {self.rollback} token(s) at any point; {option} "
+                              f"takes back N)") from e
+        self.rewinds += 1
+        self.tokens_rewound += n_eff
+        return n_eff
+
+
+__all__ = ["BatchForward", "Forward", "build_engine", "current", "slack_for"]

@@ -49,6 +49,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
 from .. import Engine
+from ..batch import Batch
 from ..config import SWA
 from ..errors import EngineError
 from . import forward as fwd
@@ -94,7 +95,6 @@ class MuserLayer(CacheLayerMixin):
 
     is_compileable = False
     supports_early_init = False
-    batch_size = 1
 
     def __init__(self, cache: "MuserCache", layer: int, sliding: bool):
         super().__init__()
@@ -107,6 +107,10 @@ class MuserLayer(CacheLayerMixin):
 
     def __repr__(self):
         return f"MuserLayer({self.layer}, {'sliding' if self.is_sliding else 'full'})"
+
+    @property
+    def batch_size(self) -> int:
+        return self._cache.batch_size
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
@@ -167,8 +171,10 @@ class MuserCache(Cache):
 
     def __init__(self, config, arch: str = "auto", *, rollback: int = 0, max_context: int | None = None,
                  engine: Engine | None = None, **engine_options):
+        self._own_engine = engine is None  # a batch builds its own engines: only then
         engine = fwd.build_engine(config, arch, rollback, max_context, engine, engine_options, "MuserCache")
         self._engine_options = dict(engine_options)
+        self._geometry = engine.cfg
         self.forward = fwd.Forward(engine, "MuserCache.update",
                                    f"build the model with attn_implementation='{ATTN_IMPLEMENTATION}', after register()",
                                    owner=self)
@@ -179,15 +185,29 @@ class MuserCache(Cache):
     # ---- what the engine holds -------------------------------------------------------------------
     @property
     def engine(self) -> Engine:
+        """The engine of a one-sequence cache (a batch's sequences each have one: ``cache.batch.sequence(seq)``)."""
+        if self.is_batch:
+            raise EngineError(f"MuserCache holds a batch of {self.batch_size} sequences, each on its own engine: "
+                              f"cache.batch.sequence(seq) for seq in cache.batch.sequences")
         return self.forward.engine
 
     @property
+    def is_batch(self) -> bool:
+        return isinstance(self.forward, fwd.BatchForward)
+
+    @property
+    def batch(self) -> Batch | None:
+        """The sequences of a batch (muser_ti/batch.py), row b of the model's batch ``batch.sequences[b]``; None for
+        one sequence."""
+        return self.forward.batch if self.is_batch else None
+
+    @property
     def geometry(self):
-        return self.engine.cfg
+        return self._geometry
 
     @property
     def window(self) -> int:
-        return self.engine.cfg.window
+        return self._geometry.window
 
     @property
     def rollback(self) -> int:
@@ -210,17 +230,23 @@ class MuserCache(Cache):
 
     @property
     def batch_size(self) -> int:
-        return 1
+        return self.forward.size if self.is_batch else 1
 
     def __repr__(self):
-        return (f"MuserCache({self.engine.cfg.name}: {len(self.layers)} layers, position {self.engine.position}, "
-                f"arch {self.engine.arch}, rollback {self.rollback})")
+        held = (f"{self.batch_size} sequences at positions {self.batch.positions()} (padded length {self.forward.position})"
+                if self.is_batch else f"position {self.forward.position}")
+        return (f"MuserCache({self._geometry.name}: {len(self.layers)} layers, {held}, arch {self._arch()}, "
+                f"rollback {self.rollback})")
+
+    def _arch(self) -> str:
+        return self.batch.arch if self.is_batch else self.forward.engine.arch
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.engine.position
+        """The tokens held (a left-padded batch: its padded length, as the model counts positions)."""
+        return self.forward.position
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
-        return self.engine.cfg.max_context
+        return self._geometry.max_context
 
     # ---- the forward: update, then the attention function -------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -231,14 +257,32 @@ class MuserCache(Cache):
         if len(shape) != 4 or tuple(value_states.shape) != shape:
             raise EngineError(f"MuserCache.update layer {layer_idx}: key {shape} and value "
                               f"{tuple(value_states.shape)}, expected both [batch, kv_heads, tokens, head_dim]")
-        if shape[0] != 1:
-            self.forward.recover()
-            raise EngineError(f"MuserCache runs one sequence: batch size {shape[0]}, expected 1 (batching is not "
-                              f"supported yet; beam search and num_return_sequences > 1 need it too)")
+        if shape[0] != self.batch_size:
+            if layer_idx != 0:
+                self.forward.recover()
+                raise EngineError(f"MuserCache.update layer {layer_idx}: batch size {shape[0]}, the forward opened with "
+                                  f"{self.batch_size}; the cache is as before this forward")
+            self._start_batch(shape[0])
         if layer_idx == 0:
             self._checked_masks = {}
         self.forward.hand(layer_idx, shape[2], key_states, value_states)
         return key_states, value_states
+
+    def _start_batch(self, size: int) -> None:
+        """The model's first forward has ``size`` rows: an empty cache becomes a batch of that many sequences (a
+        Batch on the cache's geometry and engine options); anything else is refused, the cache unchanged."""
+        self.forward.recover()
+        if self.forward.position != 0:
+            raise EngineError(f"MuserCache holds {self.batch_size} sequence(s) at position {self.forward.position}: a "
+                              f"forward of batch size {size} is not theirs (reset() the cache for a new batch)")
+        if not self._own_engine:
+            raise EngineError(f"MuserCache(engine=...) runs that one engine's sequence: batch size {size}, expected 1 "
+                              f"(a batch builds its engines: MuserCache(config, ...) without engine=)")
+        if size == 1:
+            self.reset()
+            return
+        batch = Batch(self._geometry, size, arch=self._arch(), **self._engine_options)
+        self.forward = fwd.BatchForward(batch, self.forward.cache_call, self.forward.route_hint, owner=self)
 
     def _attend(self, module, query, key, value, attention_mask, scaling, dropout, sliding_window):
         forward = self.forward
@@ -250,12 +294,18 @@ class MuserCache(Cache):
                                   f"update was layer {layer}")
             forward.take(layer, key, value, "muser_ti attention")
             self._check_call(layer, scaling, dropout, sliding_window)
-            n = query.shape[2]
-            self._check_mask(attention_mask, layer, n)
+            B, n = query.shape[0], query.shape[2]
+            pads = self._check_mask(attention_mask, layer, n)
             if forward.mode == "prompt":
                 out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                                                 scaling=scaling)
-                forward.store(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+                if self.is_batch:
+                    forward.store(layer, key.transpose(1, 2), value.transpose(1, 2), [(p, n) for p in pads])
+                else:
+                    forward.store(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+            elif self.is_batch:
+                got = forward.attend(layer, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+                out = got.to(dtype=query.dtype).reshape(B, n, query.shape[1], query.shape[3])
             else:
                 got = forward.attend(layer, query[0].transpose(0, 1), key[0].transpose(0, 1),
                                      value[0].transpose(0, 1))
@@ -267,7 +317,7 @@ class MuserCache(Cache):
             raise
 
     def _check_call(self, layer, scaling, dropout, sliding_window):
-        cfg = self.engine.cfg
+        cfg = self._geometry
         scale = (cfg.head_dim ** -0.5) if scaling is None else float(scaling)
         if not math.isclose(scale, cfg.attention_scale, rel_tol=1e-9):
             raise EngineError(f"muser_ti attention at layer {layer}: scaling={scale!r} but the engine applies "
@@ -285,32 +335,45 @@ class MuserCache(Cache):
             raise EngineError(f"muser_ti attention at layer {layer}: dropout={dropout!r}; the engine runs inference "
                               f"only (model.eval())")
 
-    def _check_mask(self, mask, layer: int, n: int) -> None:
-        """The mask transformers built must hide nothing the engine attends (padding, a custom mask): the
-        engine attends every token it holds within the window.  Checked once per mask object and forward."""
+    def _check_mask(self, mask, layer: int, n: int) -> list[int]:
+        """The mask transformers built must hide nothing the engine attends but a batch's left padding (a custom
+        mask, right padding: refused): the engine attends every token a sequence holds within the window.  Returns
+        each row's padding (a batch prompt's is read from its mask: the positions no query sees).  Checked once
+        per mask object and forward."""
+        pads = [0] * self.batch_size if not self.is_batch or self.forward.mode == "prompt" else self.forward.pads
         if mask is None:
-            return
+            return pads
         sliding = self.layers[layer].is_sliding
         key = (id(mask), sliding)
         if key in self._checked_masks:
-            return
+            return self._checked_masks[key][1]
         if not isinstance(mask, torch.Tensor) or mask.ndim != 4:
             raise EngineError(f"muser_ti attention at layer {layer}: a {type(mask).__name__} attention mask; "
                               f"expected the boolean mask transformers' sdpa builder makes (call register())")
         kv_length, kv_offset = self.layers[layer].get_mask_sizes(n)
         allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-        if tuple(allowed.shape[-2:]) != (n, kv_length) or allowed.shape[0] != 1:
+        B = self.batch_size
+        if tuple(allowed.shape[-2:]) != (n, kv_length) or allowed.shape[0] not in (1, B):
             raise EngineError(f"muser_ti attention at layer {layer}: attention mask of shape {tuple(mask.shape)}, "
-                              f"expected [1, 1, {n}, {kv_length}]")
-        q_pos = torch.arange(n, device=allowed.device)[:, None] + self.engine.position
+                              f"expected [{B}, 1, {n}, {kv_length}]")
+        if self.is_batch and self.forward.mode == "prompt":  # padding: the keys no query of the row sees
+            seen = allowed[:, 0].any(dim=1)  # [rows, kv]
+            pads = [int(kv_length - row.sum()) for row in seen] * (B if allowed.shape[0] == 1 else 1)
+        q_pos = torch.arange(n, device=allowed.device)[:, None] + self.forward.position
         kv_pos = torch.arange(kv_length, device=allowed.device)[None, :] + kv_offset
         expected = kv_pos <= q_pos
         if sliding:
             expected &= kv_pos > q_pos - self.window
+        pad = torch.tensor(pads, device=allowed.device)[:, None, None]
+        expected = (expected[None] & (kv_pos[None] >= pad))[:, None]  # [B, 1, n, kv]
+        if allowed.shape[0] == 1:
+            expected = expected[:1]
         if not bool((allowed == expected).all()):
             raise EngineError(f"muser_ti attention at layer {layer}: the attention mask hides tokens the engine "
-                              f"would attend (padding or a custom mask); MuserCache runs one unpadded sequence")
-        self._checked_masks[key] = mask  # kept alive: its id stays its own for this forward
+                              f"would attend (right padding or a custom mask); MuserCache runs sequences padded "
+                              f"on the left only")
+        self._checked_masks[key] = (mask, pads)  # the mask kept alive: its id stays its own for this forward
+        return pads
 
     # ---- what generate calls between forwards --------------------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:
@@ -322,8 +385,8 @@ class MuserCache(Cache):
             raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. Please "
                              f"use a negative integer to remove that number of tokens from the cache instead.")
         r = -tokens_to_remove
-        if r > self.engine.position:
-            raise EngineError(f"MuserCache.crop({tokens_to_remove}): the cache holds {self.engine.position} token(s)")
+        if r > self.get_seq_length():
+            raise EngineError(f"MuserCache.crop({tokens_to_remove}): the cache holds {self.get_seq_length()} token(s)")
         self.forward.rewind(r, f"MuserCache.crop({tokens_to_remove})", "MuserCache(config, rollback=N)")
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
@@ -331,7 +394,7 @@ class MuserCache(Cache):
         decoding: the draft length).  The engine keeps what it keeps: refused here, before any forward,
         where the rings cannot roll back that far."""
         k = int(recurrent_states_to_keep or 0)
-        if k > self.rollback and self.engine.cfg.swa_layers:
+        if k > self.rollback and self._geometry.swa_layers:
             raise EngineError(f"MuserCache: generate will roll back up to {k} token(s) a round (assisted decoding's "
                               f"draft length) but the rings take back {self.rollback} (rollback={self.rollback}): "
                               f"build MuserCache(config, rollback={k}) or more (the assistant's 'heuristic' "
@@ -341,28 +404,33 @@ class MuserCache(Cache):
     def reset(self) -> None:
         """An empty cache: a fresh engine of the same geometry and options (a ring cannot rewind to 0)."""
         self.forward.recover()
-        eng = self.engine
-        self.forward = fwd.Forward(Engine(eng.cfg, arch=eng.arch, **self._engine_options), self.forward.cache_call,
-                                   self.forward.route_hint, owner=self)
+        self.forward = fwd.Forward(Engine(self._geometry, arch=self._arch(), **self._engine_options),
+                                   self.forward.cache_call, self.forward.route_hint, owner=self)
 
     def reorder_cache(self, beam_idx) -> None:
-        raise EngineError("MuserCache runs one sequence: beam search (reorder_cache) is not supported")
+        raise EngineError("MuserCache: beam search (reorder_cache) is not supported: a beam's rows would be copied "
+                          "between sequences every step")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if int(repeats) != 1:
-            raise EngineError(f"MuserCache runs one sequence: cannot repeat it {repeats} times (num_return_sequences "
-                              f"or beams > 1)")
+            raise EngineError(f"MuserCache: cannot repeat its sequences {repeats} times after the prompt (contrastive "
+                              f"search, beams); num_return_sequences repeats the prompt before it, which works")
 
     def batch_select_indices(self, indices) -> None:
-        if [int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()] != [0]:
-            raise EngineError(f"MuserCache runs one sequence: cannot select batch indices {indices}")
+        if [int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()] != list(range(self.batch_size)):
+            raise EngineError(f"MuserCache: cannot select batch indices {indices} of its {self.batch_size} "
+                              f"sequence(s)")
 
     def early_initialization(self, *args, **kwargs) -> None:
         pass
 
     # ---- snapshots ---------------------------------------------------------------------------------
     def save(self, path) -> None:
-        """The engine's session to a safetensors file (Engine.save: atomic, bit-for-bit resumable)."""
+        """The engine's session to a safetensors file (Engine.save: atomic, bit-for-bit resumable); a batch's
+        sequences are saved one by one (``cache.batch.sequence(seq).save(path)``)."""
+        if self.is_batch:
+            raise EngineError(f"MuserCache.save: the cache holds {self.batch_size} sequences; save each with "
+                              f"cache.batch.sequence(seq).save(path)")
         self.forward.save(path)
 
     @classmethod
