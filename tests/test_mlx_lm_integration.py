@@ -490,20 +490,132 @@ def test_exception_in_the_prompt_pass_leaves_engine_empty(glimmer):
     assert eng.position == 40 and eng.open_token is None
 
 
-def test_batch_of_two_is_refused(glimmer):
-    """One sequence per cache: a batch of 2 is refused by name, the engine unchanged (prompt and decode)."""
+def test_a_make_cache_list_runs_one_sequence(glimmer):
+    """A make_cache list is one sequence's: a batch of 2 through it is refused by name, naming what batches (mlx-lm's
+    batch generation, a list per prompt), the engine unchanged (prompt and decode)."""
     R = glimmer
     cache = mt_mlx.load_cache(R.model, R.snap_prompt, arch=ARCH)
     eng = cache[0].engine
     before = _engine_state(eng)
     for x in (mx.zeros((2, 1), dtype=mx.uint32), mx.zeros((2, 5), dtype=mx.uint32)):
-        with pytest.raises(EngineError, match="batch size 2"):
+        with pytest.raises(EngineError, match=r"batch size 2, expected 1 \(mlx-lm's batch generation merges one list "
+                                              r"per sequence"):
             R.model(x, cache=cache)
         assert eng.open_token is None and _same_state(_engine_state(eng), before)
     fresh = mt_mlx.make_cache(R.model, arch=ARCH)
     with pytest.raises(EngineError, match="batch size 2"):
         R.model(mx.zeros((2, 7), dtype=mx.uint32), cache=fresh)
     assert fresh[0].engine.position == 0 and fresh[0].engine.open_token is None
+
+
+# ---- many sequences: mlx-lm's own batch generation ----------------------------------------------------------
+BATCH_MAX_TOKENS = [24, 10, 16]  # the rows finish apart (mlx-lm filters each out as it ends)
+JOIN_AT, JOIN_TOKENS = 4, 12  # a fourth sequence joins after this many steps (mlx-lm extends the batch)
+
+
+def _batch_prompts(R):
+    """Past the window (its ring wraps in the prompt), short, in between; and the one that joins later."""
+    lengths = [R.W + 20, 12, 40, 30]
+    return [prompt_tokens(n, seed=200 + i).tolist() for i, n in enumerate(lengths)]
+
+
+def _batch_generate(model, prompts, caches):
+    """mlx-lm's BatchGenerator, greedy: the first three prompts at once, the fourth inserted after JOIN_AT steps;
+    (tokens per sequence, logits per sequence [steps, vocab])."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, stop_tokens=None, prefill_step_size=4096)
+    recs = [_Recorder() for _ in prompts]
+    uids = gen.insert(prompts[:3], BATCH_MAX_TOKENS, caches=caches[:3] if caches else None,
+                      logits_processors=[[r] for r in recs[:3]])
+    tokens, steps = {}, 0
+    while responses := gen.next_generated():
+        for r in responses:
+            tokens.setdefault(r.uid, []).append(r.token)
+        steps += 1
+        if steps == JOIN_AT:
+            uids += gen.insert(prompts[3:], [JOIN_TOKENS], caches=caches[3:] if caches else None,
+                               logits_processors=[[recs[3]]])
+    gen.close()
+    return [tokens[u] for u in uids], [np.stack(r.logits) for r in recs]
+
+
+@pytest.fixture(scope="module")
+def batch_runs(glimmer):
+    R = glimmer
+    prompts = _batch_prompts(R)
+    t = time.perf_counter()
+    ref = _batch_generate(R.model, prompts, None)
+    caches = [mt_mlx.make_cache(R.model, arch=ARCH) for _ in prompts]
+    ours = _batch_generate(R.model, prompts, caches)
+    R.times["batch generate, mlx-lm and ours"] = time.perf_counter() - t
+    return SimpleNamespace(ref=ref, ours=ours, caches=caches, prompts=prompts)
+
+
+def test_batch_generation_gives_mlx_lms_own_tokens(glimmer, batch_runs):
+    """mlx-lm's BatchGenerator over the engine: three prompts of different lengths (one past the window, one short)
+    finishing at different steps and a fourth joining mid-way, against the same generator over mlx-lm's own batch
+    caches: each sequence's logits within the f16 bound, and its greedy tokens equal until a near-tie."""
+    R, B = glimmer, batch_runs
+    rtol = tolerances.model_logit_rtol_f16_planes(R.n_layers)
+    (ref_tokens, ref_logits), (our_tokens, our_logits) = B.ref, B.ours
+    assert [len(t) for t in our_tokens] == BATCH_MAX_TOKENS + [JOIN_TOKENS] == [len(t) for t in ref_tokens]
+    for i, (rt, ot, rl, ol) in enumerate(zip(ref_tokens, our_tokens, ref_logits, our_logits)):
+        same = next((j for j, (a, b) in enumerate(zip(rt, ot)) if a != b), len(rt))
+        if same < len(rt):
+            margin = float(_margins(rl[same:same + 1])[0])
+            assert margin <= rtol * float(np.abs(rl[same]).max()), f"sequence {i} parts at a decided step {same}"
+        rel = _rel(ol[:same + 1], rl[:same + 1])
+        assert float(rel.max()) <= rtol, f"sequence {i}: logits {float(rel.max()):.3g} > {rtol:.3g}"
+        if R.n_layers == 8:
+            assert same == len(rt), f"sequence {i}: every token (no near-tie in this run)"
+    # every sequence ran on its own engine, which holds its prompt and its tokens (mlx-lm's generator computes a step
+    # ahead, so a sequence's last token has been attended too, or not where it was filtered out first)
+    for i, (prompt, cache) in enumerate(zip(B.prompts, B.caches)):
+        assert cache[0].engine.position - len(prompt) in (len(our_tokens[i]) - 1, len(our_tokens[i])), i
+    assert B.caches[0][0].engine.planes[SWA].state.is_wrapped and not B.caches[1][0].engine.planes[SWA].state.is_wrapped
+
+
+def test_batch_cache_protocol(glimmer):
+    """merge / filter / extend / extract / deepcopy keep each sequence on its own engine; a chunked padded prompt
+    and a trim are refused by name."""
+    import copy
+
+    R = glimmer
+    lists = [mt_mlx.make_cache(R.model, arch=ARCH) for _ in range(3)]
+    merged = [lists[0][i].merge([c[i] for c in lists]) for i in range(R.n_layers)]
+    assert all(isinstance(c, mt_mlx.MuserBatchKVCache) for c in merged)
+    assert len({id(c.session) for c in merged}) == 1
+    session = merged[0].session
+    assert [e for e in session.engines] == [c[0].engine for c in lists]
+    tokens = mx.array(np.random.default_rng(0).integers(0, VOCAB, (3, 9)), dtype=mx.uint32)
+    for c in merged:
+        c.prepare(lengths=[9, 4, 6], right_padding=[0, 5, 3])
+    R.model(tokens, cache=merged)
+    for c in merged:
+        c.finalize()
+    assert session.positions() == [9, 4, 6]
+    assert [int(x) for x in merged[0].offset.tolist()] == [9, 4, 6]
+    R.model(tokens[:, :1], cache=merged)
+    assert session.positions() == [10, 5, 7]
+    split = copy.deepcopy(merged)
+    for c in merged:
+        c.filter([0, 2])
+    for c in split:
+        c.filter([1])
+    assert session.positions() == [10, 7] and split[0].session.positions() == [5]
+    for c, o in zip(merged, split):
+        c.extend(o)
+    assert session.positions() == [10, 7, 5] and session.engines[2] is lists[1][0].engine
+    one = [c.extract(1) for c in merged]
+    assert one[0].engine is lists[2][0].engine and len({id(c.session) for c in one}) == 1
+    with pytest.raises(EngineError, match="does not roll back"):
+        merged[0].trim(1)
+    for c in merged:
+        c.prepare(lengths=[3, 3, 3], right_padding=[0, 0, 0])
+    with pytest.raises(EngineError, match="padded batch prompt in one chunk"):
+        R.model(tokens[:, :3], cache=merged)
+    assert session.positions() == [10, 7, 5]
 
 
 # ---- the cache protocol -----------------------------------------------------------------------------------

@@ -46,7 +46,14 @@ Saving.  mlx-lm's ``save_prompt_cache`` stores each cache's ``state`` as mlx arr
 class name from ``mlx_lm.models.cache``; the engine's planes are neither, so it is refused with a message
 naming :func:`save_cache` / :func:`load_cache` (``Engine.save``: atomic, bit-for-bit resumable).
 
-One sequence: batch size 1 (a larger batch is refused; batching is the next capability).
+Many sequences: mlx-lm's batch generation (``batch_generate``, ``BatchGenerator``) takes a cache list per
+prompt, ``prompt_caches=[make_cache(model) for _ in prompts]``, and merges them layer by layer (``merge``) into a
+:class:`MuserBatchKVCache` a layer over one :class:`MuserBatchSession`: the sequences' own engines, attended
+together layer by layer (muser_ti/batch.py), filtered when a sequence ends and extended when one joins, as
+mlx-lm's ``BatchKVCache`` is.  The prompts arrive right-padded in one chunk (each engine takes its row's own
+tokens; ``prefill_step_size`` at least the longest prompt).  The engines are the sequences' own, so the lists
+passed in follow the batch (mlx-lm's own caches are copied when merged).  A make_cache list itself runs one
+sequence.
 """
 
 from __future__ import annotations
@@ -59,11 +66,12 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from .. import Engine
+from ..batch import Batch
 from ..config import NOPE, SWA
 from ..errors import EngineError
 from . import forward as fwd
 
-__all__ = ["MuserKVCache", "MuserSession", "install", "load_cache", "make_cache", "save_cache",
+__all__ = ["MuserBatchKVCache", "MuserBatchSession", "MuserKVCache", "MuserSession", "install", "load_cache", "make_cache", "save_cache",
            "scaled_dot_product_attention", "uninstall"]
 
 
@@ -80,7 +88,7 @@ _ORIGINAL = _find_original()  # mlx-lm's own scaled_dot_product_attention
 def scaled_dot_product_attention(queries, keys, values, cache=None, scale=None, mask=None, sinks=None, **kwargs):
     """mlx-lm's ``scaled_dot_product_attention`` with the engine behind a :class:`MuserKVCache`: any other cache
     (or none) goes to mlx-lm's own function unchanged."""
-    if isinstance(cache, MuserKVCache):
+    if isinstance(cache, (MuserKVCache, MuserBatchKVCache)):
         if kwargs:
             raise EngineError(f"muser_ti attention, layer {cache.layer}: arguments {sorted(kwargs)} are not supported")
         return cache.session._attend(cache.layer, queries, keys, values, scale, mask, sinks)
@@ -170,8 +178,9 @@ class MuserSession(fwd.Forward):
                               f"{tuple(values.shape)}, expected both [batch, kv_heads, tokens, head_dim]")
         if shape[0] != 1:
             self.recover()
-            raise EngineError(f"muser_ti's mlx-lm cache runs one sequence: batch size {shape[0]}, expected 1 (batching "
-                              f"is not supported yet); the engine is as before this forward")
+            raise EngineError(f"a make_cache list runs one sequence: batch size {shape[0]}, expected 1 (mlx-lm's batch "
+                              f"generation merges one list per sequence: prompt_caches=[make_cache(model) for each "
+                              f"prompt]); the engine is as before this forward")
         self._trim_round = None
         self.hand(layer, shape[2], keys, values)
         return keys, values
@@ -305,6 +314,268 @@ class MuserKVCache(_BaseCache):
     def from_state(cls, state):
         raise EngineError("a MuserKVCache is not rebuilt from mlx arrays: resume with "
                           "muser_ti.integrations.mlx_lm.load_cache(model, path)")
+
+    @classmethod
+    def merge(cls, caches) -> "MuserBatchKVCache":
+        """mlx-lm's batch generation merges the sequences' own caches, layer by layer, into one batch cache a layer
+        (``_merge_caches``): here, the sequences' engines into one :class:`MuserBatchSession` that every layer's
+        merge of the same caches shares."""
+        caches = list(caches)
+        if not caches or not all(isinstance(c, MuserKVCache) for c in caches):
+            kinds = sorted({type(c).__name__ for c in caches})
+            raise EngineError(f"MuserKVCache.merge: expected muser_ti caches of one layer, got {kinds}")
+        layer = caches[0].layer
+        if any(c.layer != layer for c in caches):
+            raise EngineError(f"MuserKVCache.merge: caches of layers {sorted({c.layer for c in caches})}, expected one")
+        sessions = [c.session for c in caches]
+        key = tuple(id(x) for x in sessions)
+        owner = sessions[0]
+        found = getattr(owner, "_merged", None)
+        if found is None or found[0] != key or layer in found[2]:  # a new merge (layer 0's, or another batch's)
+            for x in sessions:
+                x.recover()
+            found = owner._merged = (key, MuserBatchSession([x.engine for x in sessions], owner.model_args), set())
+        found[2].add(layer)
+        return MuserBatchKVCache(found[1], layer)
+
+
+# ---- many sequences: mlx-lm's batch generation ------------------------------------------------------------
+
+class MuserBatchSession:
+    """The sequences of one of mlx-lm's generation batches, each on its own engine (a ``make_cache`` list's, merged by
+    :meth:`MuserKVCache.merge`), and the batch's forward in flight (integrations/forward.BatchForward on
+    muser_ti/batch.py).  mlx-lm calls ``filter``, ``extend``, ``prepare`` and ``finalize`` on every layer's cache in
+    turn: the first layer's call does it for the batch, the others find it done (a round, as trims are)."""
+
+    ROUTE_HINT = f"the model module's '{_NAME}' is not the one install() puts there"
+
+    def __init__(self, engines: list, model_args=None):
+        self.engines = list(engines)
+        self.model_args = model_args
+        self.lengths = None  # prepare(lengths=...): each row's tokens in the right-padded prompt to come
+        self._round = None  # (what, layers done, result)
+        self._extracted: dict[int, MuserSession] = {}
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self.forward = fwd.BatchForward(Batch.of(self.engines), "MuserBatchKVCache.update_and_fetch", self.ROUTE_HINT,
+                                        owner=self) if self.engines else None
+
+    def __repr__(self) -> str:
+        return f"<MuserBatchSession: {len(self.engines)} sequences at positions {self.positions()}>"
+
+    @property
+    def n_layers(self) -> int:
+        return self.engines[0].cfg.n_layers if self.engines else 0
+
+    def positions(self) -> list[int]:
+        return [e.position for e in self.engines]
+
+    def _once(self, layer: int, what, do):
+        """``do()`` once for the batch: the first layer of a round runs it, the other layers find it done."""
+        rnd = self._round
+        if rnd is not None and rnd[0] == what and layer not in rnd[1]:
+            rnd[1].add(layer)
+            if len(rnd[1]) == self.n_layers:
+                self._round = None
+            return rnd[2]
+        if self.forward is not None:
+            self.forward.recover()
+        result = do()
+        self._round = (what, {layer}, result) if self.n_layers > 1 else None
+        return result
+
+    # ---- a forward ---------------------------------------------------------------------------------------
+    def _update(self, layer: int, keys, values):
+        shape = tuple(keys.shape)
+        if len(shape) != 4 or tuple(values.shape)[:3] != shape[:3]:
+            self.forward.recover()
+            raise EngineError(f"MuserBatchKVCache.update_and_fetch layer {layer}: keys {shape} and values "
+                              f"{tuple(values.shape)}, expected both [batch, kv_heads, tokens, head_dim]")
+        if layer == 0 and shape[2] > 1 and self.lengths is not None and not self.forward.empty:
+            self.forward.recover()
+            raise EngineError(f"muser_ti's batch cache takes a padded batch prompt in one chunk, but a chunk of "
+                              f"{shape[2]} tokens came after the first: pass prefill_step_size at least the longest "
+                              f"prompt")
+        self._round = None
+        self.forward.hand(layer, shape[2], keys, values)
+        return keys, values
+
+    def _attend(self, layer, queries, keys, values, scale, mask, sinks):
+        forward = self.forward
+        try:
+            forward.take(layer, keys, values, "muser_ti attention")
+            if sinks is not None:
+                raise EngineError(f"muser_ti attention, layer {layer}: attention sinks are not supported by the engine")
+            cfg = self.engines[0].cfg
+            if scale is None or abs(float(scale) - cfg.attention_scale) > 1e-6 * cfg.attention_scale:
+                raise EngineError(f"muser_ti attention, layer {layer}: scale {scale!r}, but the engine's geometry "
+                                  f"applies {cfg.attention_scale!r} (1/sqrt(head_dim))")
+            B, H, n, D = queries.shape
+            if forward.mode == "prompt":
+                # mlx's own attention over the chunk; right padding sits after each row's tokens, which the causal
+                # mask keeps out of them.  The engine takes each row's own tokens.
+                out = _ORIGINAL(queries, keys, values, cache=None, scale=scale, mask=mask)
+                lengths = self.lengths if self.lengths is not None else [n] * B
+                forward.store(layer, keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3),
+                              [(0, int(m)) for m in lengths])
+            else:
+                if n == 1:
+                    got = forward.attend(layer, queries[:, :, 0, :], keys[:, :, 0, :], values[:, :, 0, :])
+                else:
+                    got = forward.attend(layer, queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3),
+                                         values.transpose(0, 2, 1, 3))
+                out = got.reshape(B, n, H, D).transpose(0, 2, 1, 3)
+                if out.dtype != queries.dtype:
+                    out = out.astype(queries.dtype)
+            forward.finish(layer)
+            return out
+        except BaseException:
+            forward.recover()
+            raise
+
+    # ---- what mlx-lm's batch does between forwards ---------------------------------------------------------
+    def _filter(self, layer: int, keep) -> None:
+        keep = [int(i) for i in (keep.tolist() if hasattr(keep, "tolist") else keep)]
+
+        def do():
+            bad = [i for i in keep if not 0 <= i < len(self.engines)]
+            if bad:
+                raise EngineError(f"MuserBatchKVCache.filter: rows {bad} of a batch of {len(self.engines)}")
+            self.engines = [self.engines[i] for i in keep]
+            self._rebuild()
+
+        self._once(layer, ("filter", tuple(keep)), do)
+
+    def _extend(self, layer: int, other: "MuserBatchSession") -> None:
+        def do():
+            if other.forward is not None:
+                other.forward.recover()
+            self.engines = self.engines + other.engines
+            self._rebuild()
+
+        self._once(layer, ("extend", id(other)), do)
+
+    def _prepare(self, layer: int, left_padding=None, lengths=None, right_padding=None) -> None:
+        def do():
+            if left_padding is not None and any(int(p) for p in _as_list(left_padding)):
+                raise EngineError("MuserBatchKVCache.prepare: left padding is not taken (mlx-lm's batch generation "
+                                  "right-pads its prompts)")
+            self.lengths = _as_list(lengths) if lengths is not None else None
+
+        self._once(layer, ("prepare", id(lengths), id(right_padding)), do)
+
+    def _finalize(self, layer: int) -> None:
+        def do():
+            self.lengths = None
+
+        self._once(layer, ("finalize",), do)
+
+    def _extract(self, layer: int, idx: int) -> MuserKVCache:
+        """Sequence ``idx`` as a one-sequence cache (its own engine), one session for all its layers."""
+        engine = self.engines[idx]
+        session = self._extracted.get(id(engine))
+        if session is None or session.engine is not engine:
+            session = self._extracted[id(engine)] = MuserSession(engine, self.model_args, trimmable=False)
+        return MuserKVCache(session, layer)
+
+    def _copy(self) -> "MuserBatchSession":
+        if self.forward is not None:
+            self.forward.recover()
+        return MuserBatchSession(self.engines, self.model_args)
+
+
+def _as_list(values) -> list[int]:
+    return [int(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
+
+
+class MuserBatchKVCache(_BaseCache):
+    """One layer's view of a batch of sequences (mlx-lm's ``BatchKVCache`` protocol: ``merge``, ``prepare``,
+    ``finalize``, ``filter``, ``extend``, ``extract``), every sequence on its own engine.  mlx-lm's batch keeps
+    padding in its caches; here each sequence holds its own tokens only, and ``offset`` (the RoPE position mlx-lm's
+    model reads) is each row's own position."""
+
+    def __init__(self, session: MuserBatchSession, layer: int):
+        self.session = session
+        self.layer = layer
+        self.kind = session.engines[0].cfg.layer_kinds[layer]
+
+    def __repr__(self) -> str:
+        return f"<MuserBatchKVCache layer {self.layer} ({self.kind}): {self.session}>"
+
+    def __deepcopy__(self, memo):
+        """mlx-lm splits a batch by copying it whole, then filtering the copy and the original to disjoint rows: the
+        copy shares the sequences' engines (each ends up in one of the two)."""
+        key = ("muser_batch_session", id(self.session))
+        if key not in memo:
+            memo[key] = self.session._copy()
+        return MuserBatchKVCache(memo[key], self.layer)
+
+    @property
+    def offset(self):
+        return mx.array(self.session.positions(), dtype=mx.int32)
+
+    def update_and_fetch(self, keys, values):
+        return self.session._update(self.layer, keys, values)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        """The prompt runs mlx's own attention over the chunk (causal, sliding where the layer is); decode runs on
+        the engine, whose masking is addressing: no mask."""
+        if N == 1 or not self.empty():
+            return None
+        if return_array or (window_size is not None and N > window_size):
+            return create_causal_mask(N, 0, window_size=window_size)
+        return "causal"
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        self.session._prepare(self.layer, left_padding, lengths, right_padding)
+
+    def finalize(self):
+        self.session._finalize(self.layer)
+
+    def filter(self, batch_indices):
+        self.session._filter(self.layer, batch_indices)
+
+    def extend(self, other):
+        if not isinstance(other, MuserBatchKVCache):
+            raise EngineError(f"MuserBatchKVCache.extend: a {type(other).__name__}; a batch on the engine extends with "
+                              f"another such batch (every sequence's cache from make_cache)")
+        self.session._extend(self.layer, other.session)
+
+    def extract(self, idx):
+        return self.session._extract(self.layer, int(idx))
+
+    @property
+    def state(self):
+        return [_UNSERIALIZABLE]
+
+    @state.setter
+    def state(self, v):
+        raise EngineError("a MuserBatchKVCache is not rebuilt from mlx arrays")
+
+    @property
+    def meta_state(self):
+        return ""
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        raise EngineError("MuserBatchKVCache.trim: a batch on the engine does not roll back (speculative decoding "
+                          "runs one sequence: make_cache(model, rollback=N))")
+
+    def size(self) -> int:
+        return max(self.session.positions(), default=0)
+
+    def empty(self) -> bool:
+        return all(p == 0 for p in self.session.positions())
+
+    @property
+    def nbytes(self) -> int:
+        if not self.session.engines:
+            return 0
+        cfg = self.session.engines[0].cfg
+        return sum(e.planes[self.kind].state.capacity for e in self.session.engines) * cfg.n_kv_heads * cfg.head_dim * 4
 
 
 # ---- building one --------------------------------------------------------------------------------------

@@ -30,7 +30,11 @@ rollback=N)`` takes back up to N tokens at any point (integrations/forward.py sa
 must cover the longest draft: pass ``num_assistant_tokens_schedule="constant"`` to the assistant's generation
 config to bound it.
 
-One sequence: batch size 1 (a larger batch, beam search, num_return_sequences > 1 are refused).  The tensors go
+Many sequences: the first forward's batch size is the cache's.  A batch of B left-padded prompts (``generate``
+with an attention mask) makes the cache a :class:`muser_ti.batch.Batch` of B sequences, each on its own engine
+holding its own tokens only: the prompt's padding is read from its mask, and every later mask must hide exactly
+each row's padding (right padding and custom masks are refused).  ``cache.batch`` holds them (``cache.engine`` is a
+one-sequence cache's).  Beam search, and repeating sequences after the prompt, are refused.  The tensors go
 to the engine as they are; muser_ti/arrays.py decides what it reads in place (a float32 CPU tensor; a CUDA
 tensor on arch="cuda") and what it converts or copies (another dtype; a CUDA model with a Vulkan or CPU
 engine).  Without a MuserCache (no cache, or another Cache
