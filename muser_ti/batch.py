@@ -4,9 +4,14 @@ A server decodes many sequences per step (llama.cpp's slots, FlashInfer's batch 
 continuous batching, mlx-lm's BatchGenerator).  :class:`Batch` holds up to ``max_sequences`` of them, each
 with everything one engine has: its own position, sliding-window rings and growing NoPE planes (so its own
 origins), its own ladder (the route of each of its layers follows its own plane state), rewind, snapshot,
-the float64 reference.  A slot is an :class:`~muser_ti.Engine`; the pool builds every slot up front, so the
-rings' memory is taken when the pool is made (each slot's rings hold the window and its slack; each growing
-plane grows on demand up to the slot's capacity).
+the float64 reference.  A slot is an :class:`~muser_ti.Engine`, and the pool is sized up front: ``max_sequences``
+slots of ``context`` tokens, each slot's rings holding the window and its slack and its growing planes allocated
+for ``context`` rows when the pool is made, so a slot holds ``(rings x (window + slack) + full layers x context)
+x kv_heads x head_dim x 2 (K, V) x 2 bytes`` from the start.  (Without ``context`` the growing planes grow on
+demand, as one engine's do.)  Slots, not pages: every sequence is a contiguous ring per sliding layer and a
+contiguous plane per full layer, which is what the ladder's kernels address (llama.cpp's vec rung reads a plane as
+rows); FlashInfer's and vLLM's pages let a sequence take memory as it grows and share prefixes, at the cost of a
+page table in every kernel: a slot's growing planes here are reserved whole.
 
 Sequences **join** (a free slot, empty; its prompt ingested as any engine's, ``Batch.prompt``) and **leave**
 (the slot emptied for the next) between steps without touching any other sequence's rows.  A full pool
@@ -36,13 +41,23 @@ class Batch:
     """A pool of ``max_sequences`` sequence slots on ``cfg``; engine options (``arch``, ``capacity``, ``pinned``,
     ``launch``...) apply to every slot.  Sequences are named by the id :meth:`join` returns."""
 
-    def __init__(self, cfg: Geometry, max_sequences: int, arch: str = "auto", **engine_options):
+    def __init__(self, cfg: Geometry, max_sequences: int, arch: str = "auto", context: int | None = None,
+                 **engine_options):
         max_sequences = inputs.integer("max_sequences", max_sequences)
         if max_sequences < 1:
             raise EngineError(f"max_sequences={max_sequences}: expected a positive number of sequence slots")
+        if context is not None:
+            context = inputs.integer("context", context)
+            if not 1 <= context <= cfg.max_context:
+                raise EngineError(f"context={context}: expected the tokens a slot holds, in [1, max_context="
+                                  f"{cfg.max_context}]")
         self.cfg = cfg
+        self.context = context
         self._options = dict(engine_options)
         self._slots = [Engine(cfg, arch=arch, **engine_options) for _ in range(max_sequences)]
+        if context is not None:
+            for eng in self._slots:
+                eng.reserve(context)
         self.arch = self._slots[0].arch
         self._free = list(range(max_sequences))  # slots, lowest first
         self._slot_of: dict[int, int] = {}  # sequence id -> slot, in the order they joined
@@ -62,7 +77,7 @@ class Batch:
         if len({id(e) for e in engines}) != len(engines):
             raise EngineError("Batch.of: an engine is listed twice; each sequence has its own")
         batch = cls.__new__(cls)
-        batch.cfg, batch._options, batch._slots = cfg, {}, list(engines)
+        batch.cfg, batch._options, batch._slots, batch.context = cfg, {}, list(engines), None
         batch.arch = engines[0].arch
         batch._free, batch._slot_of, batch._next_id, batch._open = [], {i: i for i in range(len(engines))}, len(engines), None
         return batch
@@ -109,8 +124,8 @@ class Batch:
         return seq
 
     def leave(self, seq: int) -> None:
-        """Sequence ``seq`` leaves: its slot is emptied (a fresh engine in its place: its rows are free) and taken by
-        the next sequence to join.  No other sequence's rows are touched."""
+        """Sequence ``seq`` leaves: its slot is emptied (its engine cleared: the rows are free, nothing is reallocated)
+        and taken by the next sequence to join.  No other sequence's rows are touched."""
         self._check_none_open("leave")
         slot = self._slot(seq, "leave")
         self._empty(seq)
@@ -124,8 +139,13 @@ class Batch:
         self.sequence(seq).rewind(position)
 
     def _empty(self, seq: int) -> None:
-        """Sequence ``seq``'s slot emptied: a fresh engine (the old one's planes are freed with it)."""
-        self._slots[self._slot_of[seq]] = Engine(self.cfg, arch=self.arch, **self._options)
+        """Sequence ``seq``'s slot emptied in place (Engine.clear: its rows are free for the next sequence)."""
+        self._slots[self._slot_of[seq]].clear()
+
+    def kv_bytes(self, seq: int) -> int:
+        """The bytes sequence ``seq``'s slot holds for K and V (every plane's allocation, f16)."""
+        eng, cfg = self.sequence(seq), self.cfg
+        return sum(len(ps.layers) * ps.state.capacity for ps in eng.planes.values()) * cfg.n_kv_heads * cfg.head_dim * 4
 
     def rewind_each(self, n: int) -> None:
         """Every sequence takes back its last ``n`` tokens (a padded batch's crop); checked for every sequence first,

@@ -236,6 +236,24 @@ class Engine:
         new_states = self._planned(self.cache.plan_rewind, position)
         _atomically(lambda: self.cache.rewind(position, new_states))
 
+    def clear(self) -> None:
+        """An empty session on the planes this engine has (nothing allocated or freed): position 0, no route counts.
+        A batch's slot is reused this way (muser_ti/batch.py)."""
+        self._settle()
+        _atomically(self.cache.clear)
+        self._routes = ladder.RouteLog(self.cfg.layer_kinds)
+
+    def reserve(self, tokens: int) -> None:
+        """Allocate every growing plane for ``tokens`` rows now (at most its limit, max_context) rather than as the
+        session grows: a batch's pool is sized up front this way.  The same bits either way: a plane's size only
+        sets where its rows live."""
+        self._settle()
+        tokens = inputs.integer("reserve tokens", tokens)
+        for kind, ps in self.cache.planes.items():
+            want = min(max(tokens, 1), ps.cap)
+            if kind == NOPE and want > ps.state.capacity:
+                self.cache.ensure_capacity(kind, want)
+
     def token(self, n: int = 1) -> Token:
         """Open the next token (n tokens: a verify pass) for attention one layer at a time, as a model's forward
         calls it (token.py)::

@@ -209,6 +209,14 @@ class KVCache:
             self.set_state(kind, st)
         self.position = position
 
+    def clear(self) -> None:
+        """Empty, on the planes it has (no allocation, no data moves: rows past len are dead): a batch's slot
+        reused by the next sequence.  Mirror and serving copies have their own bookkeeping: not cleared here."""
+        if self.mirror is not None or self.serving is not None:
+            raise EngineError("clear: mirror planes or the serving graph's cells are not cleared in place; build a new "
+                              "engine")
+        self.commit({kind: PlaneState(len=0, capacity=ps.state.capacity) for kind, ps in self.planes.items()}, 0)
+
     def rewind(self, position: int, new_states: dict[str, PlaneState]) -> None:
         """Forget tokens >= position: rows past len are dead, so no data moves (planes or mirror)."""
         self.commit(new_states, position)

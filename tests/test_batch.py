@@ -222,3 +222,35 @@ def test_bad_batch_calls_are_refused_naming_what_is_wrong(arch):
             batch.join()
         t.abandon()
     assert batch.positions() == [10, 3]
+
+
+def test_a_pool_is_sized_up_front_and_a_slot_is_reused(arch):
+    """Batch(context=N): every slot holds its rings (window + slack) and its growing planes for N rows from the start,
+    exactly (rings x (window + slack) + full layers x N) x kv_heads x head_dim x 4 bytes, the same bits as a lone
+    engine whose planes grow; a sequence that leaves frees its slot and the next one to join takes the same memory,
+    empty."""
+    cfg = geometry(**GEOMETRIES["gqa4-d64"], slack=2, max_context=1024)
+    batch = Batch(cfg, 2, arch=arch, context=300)
+    per_seq = (3 * (64 + 2) + 1 * 300) * cfg.n_kv_heads * cfg.head_dim * 4
+    a, b = batch.join(), batch.join()
+    assert batch.kv_bytes(a) == batch.kv_bytes(b) == per_seq
+    sessions = {a: Session(batch.sequence(a), seed=7), b: Session(batch.sequence(b), seed=8)}
+    lone = {a: mt.Engine(cfg, arch=arch), b: mt.Engine(cfg, arch=arch)}
+    _prompt(batch, sessions, {a: 100, b: 10}, lone)
+    for _ in range(6):
+        toks, out = _step(batch, sessions)
+        for i, seq in enumerate((a, b)):
+            np.testing.assert_array_equal(out[i], _lone_token(lone[seq], *toks[seq]))
+    assert lone[a].plane_state(3).capacity == 128 and batch.sequence(a).plane_state(3).capacity == 300
+    planes = batch.sequence(a).cache.k[mt.config.NOPE]
+    batch.leave(a)
+    c = batch.join()
+    eng = batch.sequence(c)
+    assert eng.position == 0 and eng.route_counts == {} and eng.cache.k[mt.config.NOPE] is planes
+    assert batch.kv_bytes(c) == per_seq
+    sessions[c] = Session(eng, seed=9)
+    _prompt(batch, sessions, {c: 70})
+    toks, out = _step(batch, sessions)
+    sessions[c].verify(out[1], *toks[c])  # the reused slot's rows: this sequence's own, within the f32 bound
+    with pytest.raises(EngineError, match=r"context=2000: expected the tokens a slot holds, in \[1, max_context=1024\]"):
+        Batch(cfg, 1, arch=arch, context=2000)
