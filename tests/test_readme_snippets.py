@@ -54,8 +54,9 @@ def run(code: str) -> subprocess.CompletedProcess:
 
 def test_the_section_has_the_snippets_these_tests_run():
     found = snippets()
-    assert len(found) == 3, found
+    assert len(found) == 5, found
     assert "eng.token()" in found[0] and "transformers_model(" in found[1] and "mlx_model(" in found[2]
+    assert "attention_mask" in found[3] and "BatchGenerator" in found[4]
 
 
 def test_the_per_layer_snippet():
@@ -73,4 +74,20 @@ def test_the_transformers_snippet():
 def test_the_mlx_lm_snippet():
     pytest.importorskip("mlx_lm")
     out = run(PRELUDE + snippets()[2] + "assert len(tokens) == 8 and all(0 <= t < 1000 for t in tokens), tokens\n")
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_transformers_batch_snippet():
+    """Two left-padded prompts through generate: 8 new tokens a row, the prompts kept as they were."""
+    pytest.importorskip("transformers")
+    check = ("assert out.shape == (2, 5 + 8), out.shape\n"
+             "assert torch.equal(out[:, :5], input_ids) and bool(((out >= 0) & (out < 1000)).all())\n")
+    out = run(PRELUDE + snippets()[3] + check)
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_mlx_lm_batch_snippet():
+    pytest.importorskip("mlx_lm")
+    check = "assert [len(t) for t in tokens.values()] == [8, 8] and all(0 <= t < 1000 for v in tokens.values() for t in v)\n"
+    out = run(PRELUDE + snippets()[4] + check)
     assert out.returncode == 0, out.stderr

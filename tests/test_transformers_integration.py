@@ -428,13 +428,13 @@ def test_crop_rewinds_and_refuses_past_the_rings(model, reference, teacher):
 NEW_BATCH = 24  # tokens each row decodes
 
 
-def _left_padded(model, lengths):
-    """Prompts of ``lengths`` (fixed random ids, one seed a row), left-padded: (ids [B, P], attention_mask)."""
+def _left_padded(model, lengths, seeds=None):
+    """Prompts of ``lengths`` (fixed random ids from ``seeds``, one a row), left-padded: (ids [B, P], attention_mask)."""
     P = max(lengths)
     ids = torch.zeros((len(lengths), P), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, n in enumerate(lengths):
-        ids[b, P - n:], mask[b, P - n:] = prompt_ids(n, seed=100 + b)[0], 1
+        ids[b, P - n:], mask[b, P - n:] = prompt_ids(n, seed=seeds[b] if seeds else 100 + b)[0], 1
     return ids.to(model.device), mask.to(model.device)
 
 
@@ -443,11 +443,11 @@ def batch_runs(model):
     """transformers' own batch generate (sdpa, DynamicCache) and the same batch on a MuserCache: two prompts of
     different lengths, one past the window (its ring wraps in the prompt) and one short, greedy, with logits;
     then the same with an end-of-sequence token the first row reaches early, so the rows finish apart."""
-    lengths = [model.window + 20, 12]
-    ids, mask = _left_padded(model, lengths)
+    lengths, seeds = [12, model.window + 20], [101, 100]  # the padded row first: the cache counts positions as the
+    ids, mask = _left_padded(model, lengths, seeds)  # model does, whatever row 0's padding
     kw = dict(attention_mask=mask, max_new_tokens=NEW_BATCH, do_sample=False, output_logits=True,
               return_dict_in_generate=True, pad_token_id=0)
-    runs = {"lengths": lengths, "P": ids.shape[1]}
+    runs = {"lengths": lengths, "seeds": seeds, "P": ids.shape[1]}
     with timed(f"batch of 2 generate, sdpa and engine ({_layers_of(model)} layers)"):
         runs["sdpa"] = _attn(model, "sdpa").generate(ids, **kw)
         cache = _cache(model)
@@ -485,7 +485,7 @@ def test_a_left_padded_batch_generates_what_transformers_does(model, batch_runs)
     cache = batch_runs["cache"]
     assert cache.batch_size == 2 and cache.get_seq_length() == P + NEW_BATCH - 1
     assert cache.batch.positions() == [n + NEW_BATCH - 1 for n in lengths]
-    long_seq, short_seq = (cache.batch.sequence(s) for s in cache.batch.sequences)
+    short_seq, long_seq = (cache.batch.sequence(s) for s in cache.batch.sequences)
     assert long_seq.plane_state(0).is_wrapped and not short_seq.plane_state(0).is_wrapped
     with pytest.raises(EngineError, match="cache.batch.sequence"):
         cache.engine
@@ -503,9 +503,9 @@ def test_batch_rows_finish_apart(model, batch_runs):
 def test_a_batch_each_row_alone(model, batch_runs):
     """Each row's tokens are the ones its prompt gives alone, on a one-sequence MuserCache, where decided."""
     P, rtol = batch_runs["P"], tolerances.model_logit_rtol_f16_planes(_layers_of(model))
-    ids, mask = _left_padded(model, batch_runs["lengths"])
-    b = 1  # the short row (the long one is the teacher run's kind of sequence)
-    alone = _attn(model, "muser_ti").generate(ids[b:, P - batch_runs["lengths"][b]:], cache=_cache(model),
+    ids, mask = _left_padded(model, batch_runs["lengths"], batch_runs["seeds"])
+    b = 0  # the short row (the long one is the teacher run's kind of sequence)
+    alone = _attn(model, "muser_ti").generate(ids[b:b + 1, P - batch_runs["lengths"][b]:], cache=_cache(model),
                                                max_new_tokens=NEW_BATCH, do_sample=False, output_logits=True,
                                                return_dict_in_generate=True)
     want = batch_runs["sdpa"]

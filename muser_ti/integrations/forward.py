@@ -206,6 +206,7 @@ class BatchForward:
         self.seqs = batch.sequences or [batch.join() for _ in range(batch.max_sequences)]
         self.pads = [0] * len(self.seqs)
         self.spans = None
+        self.held = 0  # the padded length committed: the framework's count of positions
         self.owner = owner
         self.cache_call, self.route_hint = cache_call, route_hint
         self.opened = None  # the BatchToken or BatchPrompt in flight
@@ -230,8 +231,8 @@ class BatchForward:
 
     @property
     def position(self) -> int:
-        """The padded length: every row's padding and tokens (the same for every row)."""
-        return self.pads[0] + self.batch.sequence(self.seqs[0]).position
+        """The padded length committed: every row's padding and tokens (the same for every row)."""
+        return self.held
 
     @property
     def rollback(self) -> int:
@@ -303,6 +304,7 @@ class BatchForward:
             opened, self.opened, self.mode = self.opened, None, None
             self._release()
             opened.commit()
+            self.held += self.n
 
     def recover(self) -> None:
         self.pending = None
@@ -324,6 +326,7 @@ class BatchForward:
         except EngineError as e:
             raise EngineError(f"{who}: {e} (this cache takes back {self.rollback} token(s) at any point; {option} "
                               f"takes back N)") from e
+        self.held -= n_eff
         self.rewinds += 1
         self.tokens_rewound += n_eff
         return n_eff

@@ -24,6 +24,8 @@
 #                    paths against step() (per_layer), and a whole model's decode token against transformers' own
 #                    attention over its DynamicCache and StaticCache in bf16 (bench/model_token.py; LAUNCH_CONTEXTS;
 #                    TEST_TIMEOUT, PER_LAYER_TIMEOUT and MODEL_TOKEN_TIMEOUT fit them into a call's 10 minutes)
+#   batch            many sequences on CUDA: test_batch and transformers' left-padded batch, then the batched step
+#                    against torch's SDPA over a bf16 static cache (bench/batch_decode.py; BATCH_SIZES, BATCH_DEPTHS)
 #   model            a model's calls (MODEL_PART: tests, bench, profile or all): the per-layer token's tests and
 #                    transformers' Glimmer on the engine on CUDA
 #                    (torch CUDA tensors, zero-copy) and Vulkan (host tensors); the host's cost per layer against
@@ -191,6 +193,20 @@ launch)
       > "$OUT/model_token_$context.json" 2> "$OUT/model_token_$context.err"
     echo "== model_token $context rc=$?"; cat "$OUT/model_token_$context.json"; tail -3 "$OUT/model_token_$context.err"
   done;;
+
+batch)  # many sequences on CUDA: the batch tests (muser_ti/batch.py, transformers' left-padded batch), then the
+  # batched step against torch's SDPA over a bf16 static cache (BATCH_SIZES, BATCH_DEPTHS, BATCH_TIMEOUT)
+  timeout -s INT -k 30 ${TEST_TIMEOUT:-200} python3 -m pytest -n 0 -v -rfE -p no:cacheprovider --arch cuda \
+    ${BATCH_TESTS:-tests/test_batch.py tests/test_transformers_integration.py} \
+    -k "${BATCH_K:-batch or padding or lone or join or rewind or pool or refused}" \
+    > "$OUT/batch-tests.log" 2>&1
+  echo "== batch tests rc=$?"; grep -cE " PASSED" "$OUT/batch-tests.log" | sed 's/$/ passed/'
+  grep -E "FAILED|ERROR" "$OUT/batch-tests.log" | head -20; tail -3 "$OUT/batch-tests.log"
+  sizes=""; for b in ${BATCH_SIZES:-1 8 32 128}; do sizes="$sizes --batch $b"; done
+  depths=""; for d in ${BATCH_DEPTHS:-2048 32768}; do depths="$depths --depth $d"; done
+  timeout ${BATCH_TIMEOUT:-300} python3 -m muser_ti.bench.batch_decode --arch cuda $sizes $depths --tokens 10 \
+    > "$OUT/batch_decode_cuda.txt" 2> "$OUT/batch_decode_cuda.err"; echo "== batch_decode cuda rc=$?"
+  cat "$OUT/batch_decode_cuda.txt"; tail -3 "$OUT/batch_decode_cuda.err";;
 
 model)  # MODEL_PART: tests | bench | profile | all (a call holds one part within its 10 minutes)
   if [ "${MODEL_PART:-all}" = tests ] || [ "${MODEL_PART:-all}" = all ]; then
