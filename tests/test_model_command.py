@@ -29,6 +29,24 @@ def test_the_model_runs_with_the_engine_as_its_attention(framework, module):
     assert 0 < s["attention_share"] < 1 and s["tokens_per_s"] > 0
 
 
+@pytest.mark.parametrize("framework, module", [("transformers", "transformers"), ("mlx", "mlx_lm")])
+def test_a_batch_of_sequences(framework, module):
+    """--batch 3: three prompts decoded at once on the engine (a batch: each sequence its own engine), every
+    sequence's logits within the bound of the framework's own batch, and its tokens/s beside the engine's."""
+    pytest.importorskip(module)
+    out = run_command("model", "--framework", framework, "--layers", "4", "--prompt-tokens", "60", "--tokens", "6",
+                      "--batch", "3", "--arch", "cpu", "--json", timeout=600)
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout)
+    assert s["batch"] == 3 and len(s["generated"]) == 3 and all(len(g) == 6 for g in s["generated"])
+    assert s["routes"] == {"splitk": 3 * 6 * 3, "interleaved": 6 * 3}  # every sequence's layer-steps
+    assert s["planes"]["nope"]["len"] == 66
+    a = s["agreement"]
+    assert a["steps"] == 6 and a["sequences"] == 3 and a["within_bound"], a
+    assert a["greedy_same_where_decided"] == a["greedy_decided_steps"] > 0, a
+    assert s["tokens_per_s"] > 0 and s["framework_tokens_per_s"] > 0
+
+
 def test_a_missing_checkpoint_is_one_error_line(tmp_path):
     pytest.importorskip("transformers")
     out = run_command("model", "--checkpoint", str(tmp_path / "absent"), "--arch", "cpu", timeout=300)
@@ -62,7 +80,7 @@ def test_the_model_says_what_it_is_doing(tmp_path):
     assert out.returncode == 0, out.stderr
     bars = [line for line in out.stderr.splitlines() if not line.startswith("[Taichi]")]
     for words in ("build: transformers' Glimmer, 4 random layers", "1/1", "prompt: 60 tokens; layers' K/V into the "
-                  "engine", "4/4", "decode: the engine's attention on cpu", "2/2", "check: 61 tokens, transformers' "
-                  "attention"):
+                  "engine", "4/4", "decode: the engine's attention on cpu", "2/2", "check: 60 + 2 tokens on transformers' "
+                  "attention", "3/3"):
         assert any(words in line for line in bars), (words, bars)
     assert out.stdout.startswith("transformers: random-weight Glimmer") and "━" not in out.stdout

@@ -168,13 +168,15 @@ class MuserCache(Cache):
     takes back at any point (assisted decoding needs its longest draft; integrations/forward.py).
     ``max_context``: the longest sequence (default the config's max_position_embeddings).  ``engine``: an
     existing Engine to wrap instead of a new one (its geometry must be the config's).  Other keywords go to
-    ``mt.Engine`` (pinned=, capacity=, ...).  The engine is ``cache.engine``.
+    ``mt.Engine`` (pinned=, capacity=, ...).  The engine is ``cache.engine``.  ``batch_size``: the sequences the
+    cache holds from the start (default: the first forward's batch size decides), each on its own engine
+    (``cache.batch``).
     """
 
     is_compileable = False
 
     def __init__(self, config, arch: str = "auto", *, rollback: int = 0, max_context: int | None = None,
-                 engine: Engine | None = None, **engine_options):
+                 engine: Engine | None = None, batch_size: int | None = None, **engine_options):
         self._own_engine = engine is None  # a batch builds its own engines: only then
         engine = fwd.build_engine(config, arch, rollback, max_context, engine, engine_options, "MuserCache")
         self._engine_options = dict(engine_options)
@@ -185,6 +187,10 @@ class MuserCache(Cache):
         self._checked_masks: dict = {}
         layers = [MuserLayer(self, i, kind == SWA) for i, kind in enumerate(engine.cfg.layer_kinds)]
         super().__init__(layers=layers)
+        if batch_size is not None and int(batch_size) != 1:
+            if int(batch_size) < 1:
+                raise EngineError(f"MuserCache(batch_size={batch_size}): expected a positive number of sequences")
+            self._start_batch(int(batch_size))
 
     # ---- what the engine holds -------------------------------------------------------------------
     @property
