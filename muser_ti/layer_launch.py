@@ -121,7 +121,7 @@ class CompiledLayers:
     def create(cls, launcher, path: str):
         """The compiled path for ``launcher`` where ``path`` ("auto" | "capi" | "python") asks for it and the
         C-API works here; None for the Python path.  "auto" takes the C-API on the CPU and falls back with one
-        warning naming why where it cannot load, and takes the Python path on CUDA (not yet run on a GPU);
+        warning naming why where it cannot load, and takes the Python path on CUDA (same bits there, not measured cheaper);
         "capi" raises instead of falling back."""
         if path not in LAUNCH_PATHS:
             raise EngineError(f"launch={path!r}: expected one of {', '.join(LAUNCH_PATHS)}")
@@ -135,8 +135,9 @@ class CompiledLayers:
                                   f"cannot share (launch='auto' takes Taichi's Python path there)")
             return None
         if path == "auto" and arch == "cuda":
-            # written for CUDA (imports, the caller's stream) but not yet run on a GPU: the default stays on the
-            # path every CUDA test and figure ran on until it has; launch="capi" opts in
+            # on an H100 the C-API path gives the Python path's bits (test_layer_launch), but a whole model's token
+            # measured no cheaper on it (docs/PERF.md, run 43) and its host cost per layer is unmeasured: the default
+            # stays on the path every CUDA figure ran on; launch="capi" opts in
             return None
         try:
             return cls(launcher)

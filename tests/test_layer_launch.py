@@ -99,7 +99,7 @@ def test_auto_falls_back_to_the_python_path_with_one_warning(compiled_arch, monk
     """Where the C-API cannot load, launch="auto" warns once, naming why, and takes Taichi's Python path (the same
     bits); launch="capi" refuses with the same reason."""
     if compiled_arch == "cuda":
-        pytest.skip("launch='auto' takes the Python path on CUDA (the C-API path has not run on a GPU yet)")
+        pytest.skip("launch='auto' takes the Python path on CUDA (the C-API path is not measured cheaper there)")
     cfg = geometry(**GEOMETRIES["gqa4-d64"])
 
     def unavailable(arch):
@@ -195,8 +195,9 @@ def test_cuda_graph_capture_is_refused_naming_why(compiled_arch):
 
 
 def test_auto_takes_the_python_path_on_cuda(compiled_arch):
-    """The C-API path on CUDA is written but has not run on a GPU: the default keeps the path every CUDA figure and
-    test ran on, and launch="capi" opts in (test_compiled_and_python_launches_give_the_same_bits on a GPU machine)."""
+    """The C-API path on CUDA gives the Python path's bits (test_compiled_and_python_launches_give_the_same_bits on
+    an H100) but is not measured cheaper there: the default keeps the path every CUDA figure ran on, and
+    launch="capi" opts in."""
     if compiled_arch != "cuda":
         pytest.skip("a CUDA default; launch='auto' takes the C-API on the CPU")
     eng = mt.Engine(geometry(**GEOMETRIES["gqa4-d64"]), arch="cuda", launch="auto")

@@ -9,8 +9,11 @@ group's calls for one token of every sequence, the device synchronised at the en
   ``t.attend(layer, q, k, v)`` with torch tensors [B, heads, d] in and out;
 * torch: a static cache per layer as transformers' ``StaticCache`` holds it ([B, kv heads, keys, d]: a sliding
   layer's ``window`` rows written as a ring, a full layer's rows up to the context), the new row written in place
-  (``index_copy_``), then ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` over the rows held: no
-  padding (every sequence at the same depth) and no mask, the peer's best case.
+  (``index_copy_``), then ``scaled_dot_product_attention(q, k, v, enable_gqa=True)``; every sequence at the same
+  depth (no padding).  On the CPU over the rows held, no mask (the peer's best case there); on CUDA over the whole
+  static buffer with a mask of the rows held, as transformers' StaticCache attends: the shapes stay fixed from step
+  to step (what CUDA graphs need; a shape that grows every step made torch's SDPA pick its kernel anew each step,
+  ~10 ms on an H100).
 
 K/V: float32 on the CPU, bfloat16 on CUDA (what a GPU user runs); the engine keeps f16 planes.  Today the engine
 launches each sequence's layer on its own (muser_ti/batch.py), so its cost grows with B.  Run it with the other
@@ -70,6 +73,7 @@ class TorchStatic:
             self.caches.append((torch.randn(shape, device=device, dtype=dtype),
                                 torch.randn(shape, device=device, dtype=dtype)))
         self.position = depth
+        self.masked = device != "cpu"
 
     def token(self, qs, ks, vs) -> list:
         t, F, cfg = self.torch, self.torch.nn.functional, self.cfg
@@ -81,8 +85,13 @@ class TorchStatic:
             kc.index_copy_(2, at, ks[layer])
             vc.index_copy_(2, at, vs[layer])
             held = min(self.position + 1, cfg.window) if kind == "swa" else self.position + 1
-            outs.append(F.scaled_dot_product_attention(qs[layer], kc[:, :, :held], vc[:, :, :held], enable_gqa=True,
-                                                       scale=cfg.attention_scale))
+            if self.masked:  # the whole buffer, a mask of the rows held: fixed shapes
+                mask = (t.arange(kc.shape[2], device=self.device) < held)[None, None, None, :]
+                outs.append(F.scaled_dot_product_attention(qs[layer], kc, vc, attn_mask=mask, enable_gqa=True,
+                                                           scale=cfg.attention_scale))
+            else:
+                outs.append(F.scaled_dot_product_attention(qs[layer], kc[:, :, :held], vc[:, :, :held],
+                                                           enable_gqa=True, scale=cfg.attention_scale))
         self.position += 1
         self.sync()
         return outs
