@@ -133,6 +133,41 @@ class Batch:
         self._free.append(slot)
         self._free.sort()
 
+    def save(self, folder) -> list:
+        """Every sequence's session into ``folder`` (which must exist), one file a sequence in the order they joined
+        (``seq-<id>.safetensors``, each Engine.save: atomic); returns the paths.  ``join(snapshot=path)`` resumes
+        one, :meth:`resume` them all."""
+        from pathlib import Path
+
+        self._check_none_open("save")
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise EngineError(f"save: {folder} is not an existing folder")
+        paths = []
+        for seq in self.sequences:
+            path = folder / f"seq-{seq}.safetensors"
+            self.sequence(seq).save(path)
+            paths.append(path)
+        return paths
+
+    def resume(self, paths) -> list[int]:
+        """Join a sequence resuming each saved session in ``paths`` (Batch.save's, or any Engine.save's): their ids,
+        in order.  Refused whole where the free slots are too few, naming how many; a file refused halfway (a damaged
+        or mismatched one) takes back the sequences it joined."""
+        paths = list(paths)
+        if len(paths) > len(self._free):
+            raise EngineError(f"resume: {len(paths)} sessions but {len(self._free)} free slot(s) of "
+                              f"{self.max_sequences}; nothing was joined")
+        joined = []
+        try:
+            for path in paths:
+                joined.append(self.join(snapshot=path))
+        except BaseException:
+            for seq in joined:
+                self.leave(seq)
+            raise
+        return joined
+
     def rewind(self, seq: int, position: int) -> None:
         """Sequence ``seq`` back to ``position`` (Engine.rewind: refused, unchanged, past what its rings hold)."""
         self._check_none_open("rewind")

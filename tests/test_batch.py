@@ -198,6 +198,36 @@ def test_rewind_and_snapshot_one_sequence(arch, tmp_path):
     sessions[a].verify(outs[0], q, k, v)
 
 
+def test_every_sequence_saved_and_resumed(arch, tmp_path):
+    """Batch.save writes a file a sequence; Batch.resume joins them all into another pool, bit for bit (the next
+    step's outputs equal); too few free slots are refused whole, and a damaged file takes back what it joined."""
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    batch = Batch(cfg, 2, arch=arch)
+    seqs = [batch.join(), batch.join()]
+    sessions = {s: Session(batch.sequence(s), seed=30 + s) for s in seqs}
+    _prompt(batch, sessions, {seqs[0]: 70, seqs[1]: 9})
+    _step(batch, sessions)
+    paths = batch.save(tmp_path)
+    assert [p.name for p in paths] == ["seq-0.safetensors", "seq-1.safetensors"]
+    other = Batch(cfg, 3, arch=arch)
+    with pytest.raises(EngineError, match=r"resume: 4 sessions but 3 free slot\(s\) of 3; nothing was joined"):
+        other.resume(paths * 2)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a snapshot")
+    with pytest.raises(EngineError):
+        other.resume([paths[0], bad])
+    assert other.sequences == []
+    resumed = other.resume(paths)
+    assert other.positions(resumed) == batch.positions()
+    toks = {s: sessions[s].token() for s in seqs}
+    q, k, v = (np.stack([toks[s][i] for s in seqs]) for i in range(3))
+    outs = []
+    for b in (batch, other):
+        with b.token() as t:
+            outs.append(np.stack([t.attend(layer, q[:, layer], k[:, layer], v[:, layer]) for layer in range(4)]))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_bad_batch_calls_are_refused_naming_what_is_wrong(arch):
     """Each refusal names the value and what is allowed, and changes nothing."""
     cfg = geometry(**GEOMETRIES["gqa4-d64"], max_context=256)
