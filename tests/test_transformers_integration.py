@@ -33,6 +33,7 @@ f16 bound, rows finishing apart included; right padding and a batch of another s
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import pytest
@@ -40,13 +41,18 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from transformers import AttentionInterface, DynamicCache  # noqa: E402
+from transformers import AttentionInterface, DynamicCache, MuseGlimmerForConditionalGeneration  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
 from hf_glimmer import F16PlanesCache, build_draft, build_glimmer, prompt_ids  # noqa: E402
 from muser_ti import EngineError, backend, tolerances  # noqa: E402
 from muser_ti.config import NOPE, SWA  # noqa: E402
 from muser_ti.integrations import transformers as mt_hf  # noqa: E402
+
+# the forward's and generate's name for the cache: transformers 5.2x renamed past_key_values to cache (the old name
+# warns there); the lent GPU machine's image has an earlier transformers
+CACHE = ("cache" if "cache" in inspect.signature(MuseGlimmerForConditionalGeneration.forward).parameters else
+         "past_key_values")
 
 RUNS = [pytest.param((8, 256), id="8layers"),  # (layers, window): the prompt is the window less 8 tokens, so the
         pytest.param((52, 2048), id="52layers", marks=pytest.mark.slow)]  # ring wraps 8 tokens into decode
@@ -143,7 +149,7 @@ def reference_f16(model, ids, reference):
     cache = F16PlanesCache(config=model.config)
     _attn(model, "sdpa")
     with timed(f"reference over f16 K/V ({_layers_of(model)} layers)"):
-        logits = [model(input_ids=ids, cache=cache, logits_to_keep=1).logits[0, -1].float().cpu()]
+        logits = [model(input_ids=ids, **{CACHE: cache}, logits_to_keep=1).logits[0, -1].float().cpu()]
         logits += _decode(model, cache, tokens[:-1])
     return torch.stack(logits)
 
@@ -154,7 +160,7 @@ def _cache(model, **kw):
 
 def _decode(model, cache, tokens):
     """Teacher-forced single-token forwards: the logits after each of ``tokens``."""
-    return [model(input_ids=t.view(1, 1).to(model.device), cache=cache).logits[0, -1].float().cpu() for t in tokens]
+    return [model(input_ids=t.view(1, 1).to(model.device), **{CACHE: cache}).logits[0, -1].float().cpu() for t in tokens]
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +172,7 @@ def teacher(model, ids, reference, tmp_path_factory):
     cache = _cache(model)
     _attn(model, "muser_ti")
     with timed(f"engine teacher-forced ({_layers_of(model)} layers)"):
-        logits = [model(input_ids=ids, cache=cache, logits_to_keep=1).logits[0, -1].float().cpu()]
+        logits = [model(input_ids=ids, **{CACHE: cache}, logits_to_keep=1).logits[0, -1].float().cpu()]
         after_prompt = {kind: ps.state for kind, ps in cache.engine.planes.items()}
         logits += _decode(model, cache, tokens[:SNAP - 1])
         cache.save(path)
@@ -179,7 +185,7 @@ def teacher(model, ids, reference, tmp_path_factory):
 def engine_greedy(model, ids):
     cache = _cache(model)
     with timed(f"engine generate ({_layers_of(model)} layers)"):
-        out = _attn(model, "muser_ti").generate(ids, max_new_tokens=NEW, do_sample=False, cache=cache,
+        out = _attn(model, "muser_ti").generate(ids, max_new_tokens=NEW, do_sample=False, **{CACHE: cache},
                                                 output_logits=True, return_dict_in_generate=True)
     return out.sequences[0, model.prompt_len:].cpu(), torch.cat(out.logits).float().cpu(), cache
 
@@ -196,7 +202,7 @@ def _assisted(model, ids, draft, name):
                                            with_kwargs=True)
     try:
         with timed(f"engine assisted generate, {name} ({_layers_of(model)} layers)"):
-            out = _attn(model, "muser_ti").generate(ids, max_new_tokens=NEW, do_sample=False, cache=cache,
+            out = _attn(model, "muser_ti").generate(ids, max_new_tokens=NEW, do_sample=False, **{CACHE: cache},
                                                     assistant_model=draft, output_logits=True,
                                                     return_dict_in_generate=True)
     finally:
@@ -362,7 +368,7 @@ def test_exception_mid_forward_leaves_the_engine_as_before(model, reference, tea
     hook = _layers(model)[layer].mlp.register_forward_pre_hook(boom)
     try:
         with pytest.raises(exc, match="injected"):
-            _attn(model, "muser_ti")(input_ids=tokens[SNAP - 1].view(1, 1).to(model.device), cache=cache)
+            _attn(model, "muser_ti")(input_ids=tokens[SNAP - 1].view(1, 1).to(model.device), **{CACHE: cache})
     finally:
         hook.remove()
     assert eng.open_token is not None and eng.open_token.next_layer == layer + 1  # left open by the raise
@@ -380,7 +386,7 @@ def test_crop_abandons_a_token_left_open(model, reference, teacher):
     hook = _layers(model)[1].mlp.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
     try:
         with pytest.raises(RuntimeError):
-            _attn(model, "muser_ti")(input_ids=tokens[SNAP - 1].view(1, 1).to(model.device), cache=cache)
+            _attn(model, "muser_ti")(input_ids=tokens[SNAP - 1].view(1, 1).to(model.device), **{CACHE: cache})
     finally:
         hook.remove()
     cache.crop(0)
@@ -400,7 +406,7 @@ def test_wrong_scaling_or_window_is_refused_naming_it(model, reference, teacher,
     setattr(attn, attr, value)
     try:
         with pytest.raises(EngineError, match=match):
-            _attn(model, "muser_ti")(input_ids=tokens[SNAP - 1].view(1, 1).to(model.device), cache=cache)
+            _attn(model, "muser_ti")(input_ids=tokens[SNAP - 1].view(1, 1).to(model.device), **{CACHE: cache})
     finally:
         setattr(attn, attr, saved)
     assert cache.engine.open_token is None  # abandoned on the spot
@@ -451,12 +457,12 @@ def batch_runs(model):
     with timed(f"batch of 2 generate, sdpa and engine ({_layers_of(model)} layers)"):
         runs["sdpa"] = _attn(model, "sdpa").generate(ids, **kw)
         cache = _cache(model)
-        runs["engine"] = _attn(model, "muser_ti").generate(ids, cache=cache, **kw)
+        runs["engine"] = _attn(model, "muser_ti").generate(ids, **{CACHE: cache}, **kw)
         runs["cache"] = cache
         eos = int(runs["sdpa"].sequences[0, ids.shape[1] + 5])  # row 0's sixth token ends it
         runs["eos"] = eos
         runs["sdpa_eos"] = _attn(model, "sdpa").generate(ids, eos_token_id=eos, **kw)
-        runs["engine_eos"] = _attn(model, "muser_ti").generate(ids, cache=_cache(model), eos_token_id=eos, **kw)
+        runs["engine_eos"] = _attn(model, "muser_ti").generate(ids, **{CACHE: _cache(model)}, eos_token_id=eos, **kw)
     return runs
 
 
@@ -505,7 +511,7 @@ def test_a_batch_each_row_alone(model, batch_runs):
     P, rtol = batch_runs["P"], tolerances.model_logit_rtol_f16_planes(_layers_of(model))
     ids, mask = _left_padded(model, batch_runs["lengths"], batch_runs["seeds"])
     b = 0  # the short row (the long one is the teacher run's kind of sequence)
-    alone = _attn(model, "muser_ti").generate(ids[b:b + 1, P - batch_runs["lengths"][b]:], cache=_cache(model),
+    alone = _attn(model, "muser_ti").generate(ids[b:b + 1, P - batch_runs["lengths"][b]:], **{CACHE: _cache(model)},
                                                max_new_tokens=NEW_BATCH, do_sample=False, output_logits=True,
                                                return_dict_in_generate=True)
     want = batch_runs["sdpa"]
@@ -520,12 +526,12 @@ def test_batch_refusals_leave_the_cache_as_it_was(model):
     ids, mask = _left_padded(model, [10, 6])
     right = mask.flip(-1)
     with pytest.raises(EngineError, match="padded on the left only"):
-        _attn(model, "muser_ti")(input_ids=ids, attention_mask=right, cache=cache)
+        _attn(model, "muser_ti")(input_ids=ids, attention_mask=right, **{CACHE: cache})
     assert cache.get_seq_length() == 0 and all(p == 0 for p in cache.batch.positions())
-    _attn(model, "muser_ti")(input_ids=ids, attention_mask=mask, cache=cache)
+    _attn(model, "muser_ti")(input_ids=ids, attention_mask=mask, **{CACHE: cache})
     assert cache.batch.positions() == [10, 6] and cache.get_seq_length() == 10
     with pytest.raises(EngineError, match=r"holds 2 sequence\(s\) at position 10: a forward of batch size 3"):
-        _attn(model, "muser_ti")(input_ids=ids[:1].expand(3, -1), cache=cache)
+        _attn(model, "muser_ti")(input_ids=ids[:1].expand(3, -1), **{CACHE: cache})
     assert cache.batch.positions() == [10, 6]
     with pytest.raises(EngineError, match="beam search"):
         cache.reorder_cache(torch.tensor([1, 0]))
@@ -537,7 +543,7 @@ def test_padding_is_refused(model):
     cache = _cache(model)
     mask = torch.tensor([[0, 0, 1, 1, 1, 1]], device=model.device)
     with pytest.raises(EngineError, match="padding"):
-        _attn(model, "muser_ti")(input_ids=_ids(model, 6), attention_mask=mask, cache=cache)
+        _attn(model, "muser_ti")(input_ids=_ids(model, 6), attention_mask=mask, **{CACHE: cache})
     assert cache.get_seq_length() == 0 and cache.engine.open_token is None
 
 
@@ -545,14 +551,14 @@ def test_a_model_without_muser_attention_is_refused(model):
     cache = _cache(model)
     with pytest.raises(EngineError, match=r"attention did not run through the engine \(build the model with "
                                           r"attn_implementation='muser_ti'"):
-        _attn(model, "sdpa")(input_ids=_ids(model, 6), cache=cache)
+        _attn(model, "sdpa")(input_ids=_ids(model, 6), **{CACHE: cache})
     assert cache.get_seq_length() == 0 and cache.engine.open_token is None
 
 
 def test_without_a_muser_cache_muser_ti_is_sdpa(model):
     ids6 = _ids(model, 6)
-    want = _attn(model, "sdpa")(input_ids=ids6, cache=DynamicCache(config=model.config)).logits
-    got = _attn(model, "muser_ti")(input_ids=ids6, cache=DynamicCache(config=model.config)).logits
+    want = _attn(model, "sdpa")(input_ids=ids6, **{CACHE: DynamicCache(config=model.config)}).logits
+    got = _attn(model, "muser_ti")(input_ids=ids6, **{CACHE: DynamicCache(config=model.config)}).logits
     assert torch.equal(got, want)
 
 
