@@ -117,18 +117,24 @@ class Forward:
                 raise EngineError(f"{self.cache_call}: {problem}; the engine is as before this forward")
         self.pending = (layer, k, v)
 
-    def _out_of_order(self, layer: int, n: int) -> str | None:
+    def _progress(self) -> tuple[int, int] | None:
+        """(the layer next, the forward's tokens) while a forward is open, else None."""
         opened = self.opened
-        if opened is None or not opened.is_open:
+        return (opened.next_layer, opened.n) if opened is not None and opened.is_open else None
+
+    def _out_of_order(self, layer: int, n: int) -> str | None:
+        progress = self._progress()
+        if progress is None:
             return (f"layer {layer} arrived with no forward open (layer 0 opens it): layers must run "
                     f"0..{self.n_layers - 1} in order")
         if self.pending is not None:
             return (f"layer {self.pending[0]}'s attention did not run through the engine ({self.route_hint}), so the "
                     f"engine never saw it")
-        if layer != opened.next_layer:
-            return f"layer {layer} arrived where layer {opened.next_layer} was next"
-        if n != opened.n:
-            return f"layer {layer} has {n} token(s), the forward opened with {opened.n}"
+        next_layer, opened_n = progress
+        if layer != next_layer:
+            return f"layer {layer} arrived where layer {next_layer} was next"
+        if n != opened_n:
+            return f"layer {layer} has {n} token(s), the forward opened with {opened_n}"
         return None
 
     def take(self, layer: int, k, v, who: str) -> None:
@@ -192,7 +198,7 @@ class Forward:
         self.engine.save(path)
 
 
-class BatchForward:
+class BatchForward(Forward):
     """A batch's forward on a :class:`~muser_ti.batch.Batch`: what :class:`Forward` does for one engine, for the
     left-padded batch a framework's ``generate`` runs (row b of every tensor is sequence ``seqs[b]``).
 
@@ -202,20 +208,14 @@ class BatchForward:
     its mask at layer 0's attention (``store(..., pads)``), so a batch prompt opens there, not at the cache call."""
 
     def __init__(self, batch, cache_call: str, route_hint: str, owner=None):
+        super().__init__(None, cache_call, route_hint, owner)  # no one engine: the batch's sequences have theirs
         self.batch = batch
         self.seqs = batch.sequences or [batch.join() for _ in range(batch.max_sequences)]
         self.pads = [0] * len(self.seqs)
         self.spans = None
         self.held = 0  # the padded length committed: the framework's count of positions
-        self.owner = owner
-        self.cache_call, self.route_hint = cache_call, route_hint
-        self.opened = None  # the BatchToken or BatchPrompt in flight
-        self.mode = None
-        self.n = 0
+        self.n = 0  # the forward's tokens and the layer next: a batch prompt opens at layer 0's attention, not before
         self.next_layer = 0
-        self.pending = None
-        self.rewinds = 0
-        self.tokens_rewound = 0
 
     @property
     def n_layers(self) -> int:
@@ -262,20 +262,10 @@ class BatchForward:
                 raise EngineError(f"{self.cache_call}: {problem}; the batch is as before this forward")
         self.pending = (layer, k, v)
 
-    def _out_of_order(self, layer: int, n: int) -> str | None:
+    def _progress(self) -> tuple[int, int] | None:
         if self.mode is None or (self.opened is not None and not self.opened.is_open):
-            return (f"layer {layer} arrived with no forward open (layer 0 opens it): layers must run "
-                    f"0..{self.n_layers - 1} in order")
-        if self.pending is not None:
-            return (f"layer {self.pending[0]}'s attention did not run through the engine ({self.route_hint}), so the "
-                    f"engine never saw it")
-        if layer != self.next_layer:
-            return f"layer {layer} arrived where layer {self.next_layer} was next"
-        if n != self.n:
-            return f"layer {layer} has {n} token(s), the forward opened with {self.n}"
-        return None
-
-    take = Forward.take
+            return None
+        return self.next_layer, self.n
 
     def attend(self, layer: int, q, k, v):
         """A token forward's attention at ``layer``: q [B, n, heads, d] or [B, heads, d], k/v likewise."""
@@ -306,14 +296,9 @@ class BatchForward:
             opened.commit()
             self.held += self.n
 
-    def recover(self) -> None:
-        self.pending = None
-        self._release()
-        opened, self.opened, self.mode = self.opened, None, None
-        if opened is not None and opened.is_open:
-            opened.abandon()
-
-    _release = Forward._release
+    def save(self, path) -> None:
+        raise EngineError(f"{self.cache_call}: a batch's sequences are saved together with batch.save(folder), or one "
+                          f"by one with batch.sequence(seq).save(path)")
 
     def rewind(self, n: int, who: str, option: str) -> int:
         """Every sequence takes back its last ``n`` tokens (Batch.rewind_each: all or none)."""

@@ -186,35 +186,10 @@ class MuserSession(fwd.Forward):
         return keys, values
 
     def _attend(self, layer, queries, keys, values, scale, mask, sinks):
-        try:
-            self.take(layer, keys, values, "muser_ti attention")
-            if sinks is not None:
-                raise EngineError(f"muser_ti attention, layer {layer}: attention sinks are not supported by the engine")
-            cfg = self.engine.cfg
-            if scale is None or abs(float(scale) - cfg.attention_scale) > 1e-6 * cfg.attention_scale:
-                raise EngineError(f"muser_ti attention, layer {layer}: scale {scale!r}, but the engine's geometry "
-                                  f"applies {cfg.attention_scale!r} (1/sqrt(head_dim)); the model is not the one "
-                                  f"the cache was made for")
-            B, H, n, D = queries.shape
-            if B != 1:
-                raise EngineError(f"muser_ti's mlx-lm cache runs one sequence: batch size {B}, expected 1")
-            if self.mode == "prompt":
-                out = _ORIGINAL(queries, keys, values, cache=None, scale=scale, mask=mask)
-                self.store(layer, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
-            else:
-                if n == 1:
-                    got = self.attend(layer, queries[0, :, 0, :], keys[0, :, 0, :], values[0, :, 0, :])
-                else:
-                    got = self.attend(layer, queries[0].transpose(1, 0, 2), keys[0].transpose(1, 0, 2),
-                                      values[0].transpose(1, 0, 2))
-                out = got.reshape(1, n, H, D).transpose(0, 2, 1, 3)
-                if out.dtype != queries.dtype:
-                    out = out.astype(queries.dtype)
-            self.finish(layer)
-            return out
-        except BaseException:
+        if queries.shape[0] != 1:
             self.recover()
-            raise
+            raise EngineError(f"muser_ti's mlx-lm cache runs one sequence: batch size {queries.shape[0]}, expected 1")
+        return _attend_through(self, self.engine.cfg, layer, queries, keys, values, scale, mask, sinks)
 
     # ---- between forwards --------------------------------------------------------------------------------
     def _trim(self, layer: int, n: int) -> int:
@@ -232,6 +207,39 @@ class MuserSession(fwd.Forward):
         n_eff = self.rewind(n, f"MuserKVCache.trim({n})", "make_cache(model, rollback=N)")
         self._trim_round = (n, self.engine.position, {layer}, n_eff) if self.n_layers > 1 else None
         return n_eff
+
+
+def _attend_through(forward, cfg, layer, queries, keys, values, scale, mask, sinks, spans=None):
+    """The dispatcher's call for a cache of ours: ``forward`` (integrations/forward.py) takes the layer's k/v its
+    cache call handed on; a prompt runs mlx's own attention over the chunk and the engine stores the K/V, a token
+    attends on the engine.  ``spans``: a batch's (each row's tokens in the prompt; None: one sequence, row 0)."""
+    try:
+        forward.take(layer, keys, values, "muser_ti attention")
+        if sinks is not None:
+            raise EngineError(f"muser_ti attention, layer {layer}: attention sinks are not supported by the engine")
+        if scale is None or abs(float(scale) - cfg.attention_scale) > 1e-6 * cfg.attention_scale:
+            raise EngineError(f"muser_ti attention, layer {layer}: scale {scale!r}, but the engine's geometry "
+                              f"applies {cfg.attention_scale!r} (1/sqrt(head_dim)); the model is not the one "
+                              f"the cache was made for")
+        B, H, n, D = queries.shape
+        if forward.mode == "prompt":
+            out = _ORIGINAL(queries, keys, values, cache=None, scale=scale, mask=mask)
+            k, v = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)  # [B, tokens, kv heads, d]
+            if spans is None:
+                forward.store(layer, k[0], v[0])
+            else:
+                forward.store(layer, k, v, spans)
+        else:
+            q, k, v = (x[:, :, 0, :] if n == 1 else x.transpose(0, 2, 1, 3) for x in (queries, keys, values))
+            got = forward.attend(layer, q[0], k[0], v[0]) if spans is None else forward.attend(layer, q, k, v)
+            out = got.reshape(B, n, H, D).transpose(0, 2, 1, 3)
+            if out.dtype != queries.dtype:
+                out = out.astype(queries.dtype)
+        forward.finish(layer)
+        return out
+    except BaseException:
+        forward.recover()
+        raise
 
 
 # ---- the per-layer caches --------------------------------------------------------------------------------
@@ -402,37 +410,11 @@ class MuserBatchSession:
         return keys, values
 
     def _attend(self, layer, queries, keys, values, scale, mask, sinks):
-        forward = self.forward
-        try:
-            forward.take(layer, keys, values, "muser_ti attention")
-            if sinks is not None:
-                raise EngineError(f"muser_ti attention, layer {layer}: attention sinks are not supported by the engine")
-            cfg = self.engines[0].cfg
-            if scale is None or abs(float(scale) - cfg.attention_scale) > 1e-6 * cfg.attention_scale:
-                raise EngineError(f"muser_ti attention, layer {layer}: scale {scale!r}, but the engine's geometry "
-                                  f"applies {cfg.attention_scale!r} (1/sqrt(head_dim))")
-            B, H, n, D = queries.shape
-            if forward.mode == "prompt":
-                # mlx's own attention over the chunk; right padding sits after each row's tokens, which the causal
-                # mask keeps out of them.  The engine takes each row's own tokens.
-                out = _ORIGINAL(queries, keys, values, cache=None, scale=scale, mask=mask)
-                lengths = self.lengths if self.lengths is not None else [n] * B
-                forward.store(layer, keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3),
-                              [(0, int(m)) for m in lengths])
-            else:
-                if n == 1:
-                    got = forward.attend(layer, queries[:, :, 0, :], keys[:, :, 0, :], values[:, :, 0, :])
-                else:
-                    got = forward.attend(layer, queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3),
-                                         values.transpose(0, 2, 1, 3))
-                out = got.reshape(B, n, H, D).transpose(0, 2, 1, 3)
-                if out.dtype != queries.dtype:
-                    out = out.astype(queries.dtype)
-            forward.finish(layer)
-            return out
-        except BaseException:
-            forward.recover()
-            raise
+        # mlx's own attention takes the prompt over the chunk; right padding sits after each row's tokens, which the
+        # causal mask keeps out of them, and each engine takes its row's own tokens
+        lengths = self.lengths if self.lengths is not None else [queries.shape[2]] * queries.shape[0]
+        return _attend_through(self.forward, self.engines[0].cfg, layer, queries, keys, values, scale, mask, sinks,
+                               spans=[(0, int(m)) for m in lengths])
 
     # ---- what mlx-lm's batch does between forwards ---------------------------------------------------------
     def _filter(self, layer: int, keep) -> None:
