@@ -136,7 +136,7 @@ class CompiledLayers:
             return None
         if path == "auto" and arch == "cuda":
             # on an H100 the C-API path gives the Python path's bits (test_layer_launch), but a whole model's token
-            # measured no cheaper on it (docs/PERF.md, run 43) and its host cost per layer is unmeasured: the default
+            # measured no cheaper on it (docs/PERF.md's CUDA section) and its host cost per layer is unmeasured: the default
             # stays on the path every CUDA figure ran on; launch="capi" opts in
             return None
         try:
