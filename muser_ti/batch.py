@@ -79,7 +79,8 @@ class Batch:
         batch = cls.__new__(cls)
         batch.cfg, batch._options, batch._slots, batch.context = cfg, {}, list(engines), None
         batch.arch = engines[0].arch
-        batch._free, batch._slot_of, batch._next_id, batch._open = [], {i: i for i in range(len(engines))}, len(engines), None
+        batch._free, batch._slot_of = [], {i: i for i in range(len(engines))}
+        batch._next_id, batch._open = len(engines), None
         return batch
 
     # ---- the pool --------------------------------------------------------------------------------------

@@ -121,8 +121,8 @@ class CompiledLayers:
     def create(cls, launcher, path: str):
         """The compiled path for ``launcher`` where ``path`` ("auto" | "capi" | "python") asks for it and the
         C-API works here; None for the Python path.  "auto" takes the C-API on the CPU and falls back with one
-        warning naming why where it cannot load, and takes the Python path on CUDA (same bits there, not measured cheaper);
-        "capi" raises instead of falling back."""
+        warning naming why where it cannot load, and takes the Python path on CUDA (same bits there, not measured
+        cheaper); "capi" raises instead of falling back."""
         if path not in LAUNCH_PATHS:
             raise EngineError(f"launch={path!r}: expected one of {', '.join(LAUNCH_PATHS)}")
         arch = backend.active()
@@ -136,8 +136,8 @@ class CompiledLayers:
             return None
         if path == "auto" and arch == "cuda":
             # on an H100 the C-API path gives the Python path's bits (test_layer_launch), but a whole model's token
-            # measured no cheaper on it (docs/PERF.md's CUDA section) and its host cost per layer is unmeasured: the default
-            # stays on the path every CUDA figure ran on; launch="capi" opts in
+            # measured no cheaper on it (docs/PERF.md's CUDA section) and its host cost per layer is unmeasured:
+            # the default stays on the path every CUDA figure ran on; launch="capi" opts in
             return None
         try:
             return cls(launcher)

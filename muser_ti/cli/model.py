@@ -289,7 +289,8 @@ def report(s: dict) -> None:
     print(f"prompt: {rows} tokens through the framework's own attention in {s['prompt_s']:.1f} s, "
           f"its K/V into the engine's planes")
     seqs = f" of {s['batch']} sequences" if s["batch"] > 1 else ""
-    print(f"decode: {s['decoded_tokens']} tokens{seqs}, {s['tokens_per_s']:.2f} tokens/s (median {s['token_ms']:.1f} ms "
+    print(f"decode: {s['decoded_tokens']} tokens{seqs}, {s['tokens_per_s']:.2f} tokens/s "
+          f"(median {s['token_ms']:.1f} ms "
           f"a step; first {s['first_token_ms']:.0f} ms, with the kernels built or loaded from Taichi's cache)")
     print(f"attention: {s['attention_ms']:.1f} ms a step on the engine, {100 * s['attention_share']:.0f}% of the step")
     every = ", every sequence's" if batch > 1 else ""
