@@ -297,8 +297,8 @@ class BatchForward(Forward):
             self.held += self.n
 
     def save(self, path) -> None:
-        raise EngineError(f"{self.cache_call}: a batch's sequences are saved together with batch.save(folder), or one "
-                          f"by one with batch.sequence(seq).save(path)")
+        raise EngineError(f"save: this cache holds {self.size} sequences, each on its own engine: save them with "
+                          f"batch.save(folder), or one by one with batch.sequence(seq).save(path)")
 
     def rewind(self, n: int, who: str, option: str) -> int:
         """Every sequence takes back its last ``n`` tokens (Batch.rewind_each: all or none)."""

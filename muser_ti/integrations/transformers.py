@@ -437,10 +437,7 @@ class MuserCache(Cache):
     # ---- snapshots ---------------------------------------------------------------------------------
     def save(self, path) -> None:
         """The engine's session to a safetensors file (Engine.save: atomic, bit-for-bit resumable); a batch's
-        sequences are saved one by one (``cache.batch.sequence(seq).save(path)``)."""
-        if self.is_batch:
-            raise EngineError(f"MuserCache.save: the cache holds {self.batch_size} sequences; save each with "
-                              f"cache.batch.sequence(seq).save(path)")
+        sequences are saved with ``cache.batch.save(folder)`` (the forward refuses, naming it)."""
         self.forward.save(path)
 
     @classmethod
