@@ -31,10 +31,18 @@ alone.
 
 from __future__ import annotations
 
-from . import arrays, inputs, interrupts
-from .config import Geometry
+import numpy as np
+
+from . import arrays, backend, inputs, interrupts
+from .batch_launch import AXES, GROUP_ROUTES, BatchLauncher, checked_rows, group_state
+from .config import NOPE, SWA, Geometry
 from .engine import Engine
 from .errors import EngineError
+from .kernels import halves
+from .kv_cache import KVCache
+from .plane_pool import PlanePool
+from .planes import NOPE_INITIAL_ROWS
+from .token import Token, _checked
 
 
 class Batch:
@@ -54,10 +62,13 @@ class Batch:
         self.cfg = cfg
         self.context = context
         self._options = dict(engine_options)
-        self._slots = [Engine(cfg, arch=arch, **engine_options) for _ in range(max_sequences)]
-        if context is not None:
-            for eng in self._slots:
-                eng.reserve(context)
+        arch = backend.activate(arch)
+        caps = KVCache.caps(cfg, inputs.capacity(cfg, engine_options.get("capacity")))
+        if NOPE in caps:  # the growing planes: ``context`` rows a slot now, or grown by doubling as sequences need
+            caps[NOPE] = min(context, caps[NOPE]) if context is not None else min(caps[NOPE], NOPE_INITIAL_ROWS)
+        self.pool = PlanePool(cfg, max_sequences, caps)
+        self._slots = [Engine(cfg, arch=arch, pool_slot=(self.pool, i), **engine_options) for i in range(max_sequences)]
+        self._launcher = BatchLauncher(cfg, self.pool)
         self.arch = self._slots[0].arch
         self._free = list(range(max_sequences))  # slots, lowest first
         self._slot_of: dict[int, int] = {}  # sequence id -> slot, in the order they joined
@@ -78,6 +89,7 @@ class Batch:
             raise EngineError("Batch.of: an engine is listed twice; each sequence has its own")
         batch = cls.__new__(cls)
         batch.cfg, batch._options, batch._slots, batch.context = cfg, {}, list(engines), None
+        batch.pool = batch._launcher = None  # each engine's own planes: its layers go out as its own launches
         batch.arch = engines[0].arch
         batch._free, batch._slot_of = [], {i: i for i in range(len(engines))}
         batch._next_id, batch._open = len(engines), None
@@ -279,14 +291,20 @@ class _BatchOpen:
         return EngineError(f"sequence {self.seqs[row]} (row {row}): {e}; every sequence's {self.what} of this step was "
                            f"abandoned and the batch is as before it")
 
-    def _rows(self, name: str, x, layer: int, verb: str):
-        """Row views of a [B, ...] array in its own kind."""
+    def _check_batch_axis(self, name: str, x, layer: int, verb: str) -> None:
         shape = tuple(x.shape)
         if not shape or shape[0] != len(self.seqs):
-            self.abandon()
             raise EngineError(f"{verb} layer {layer} {name}: shape {shape}, expected the batch's {len(self.seqs)} "
                               f"sequences first ([B, ...], row b is sequence seqs[b] of {self.seqs}); the step was "
                               f"abandoned")
+
+    def _rows(self, name: str, x, layer: int, verb: str):
+        """Row views of a [B, ...] array in its own kind."""
+        try:
+            self._check_batch_axis(name, x, layer, verb)
+        except EngineError:
+            self.abandon()
+            raise
         return [x[b] for b in range(len(self.seqs))]
 
     def __enter__(self):
@@ -316,18 +334,71 @@ class _BatchOpen:
 
 
 class BatchToken(_BatchOpen):
-    """The next token of several sequences, attended layer by layer (Batch.token opens one)."""
+    """The next token of several sequences, attended layer by layer (Batch.token opens one).
+
+    On a batch's pool (every Batch but ``Batch.of``'s) a one-token step goes out grouped: each layer's sequences on
+    the project's own routes in one launch per route (batch_launch.py), and the rows their tokens overwrite kept in
+    one launch when the step opens.  Otherwise (``n`` tokens a sequence, engines of their own) each sequence's
+    layer is its own token's launches."""
 
     def __init__(self, batch: Batch, seqs: list[int], n: int = 1):
         super().__init__(batch, seqs)
         self.n = n
-        self._open_each(lambda seq, eng: eng.token(n))
+        self.launcher = batch._launcher if n == 1 else None
+        grouped = self.launcher is not None
+        self._open_each(lambda seq, eng: Token(eng, n, keep_rows=not grouped))
+        self._saved = None
+        self._states: dict[tuple, tuple] = {}  # (route, rows) -> (device table, largest split): made once a step
+        self._device_stamps: dict[int, int] = {}  # row-scan stamp -> layer (device inputs)
+        if grouped:
+            self._first_stamp = self.launcher.stamp + 1
+            self._slot_ids = [batch._slot_of[s] for s in seqs]
+            try:
+                with interrupts.held_back():
+                    self._save_rows()
+            except BaseException:
+                self.abandon()
+                raise
 
+    # ---- the rows a step overwrites ------------------------------------------------------------------
+    def _save_rows(self) -> None:
+        """Every sequence's ring row this token takes, in one launch (a NoPE row past len is dead: nothing to keep)."""
+        pool = self.batch.pool
+        if SWA not in pool.k:
+            return
+        n_layers = pool.n_layers[SWA]
+        bases = tuple(pool.base(SWA, s) for s in self._slot_ids)
+        rows = tuple(tok.plans[0][1][SWA].physical(tok.start) for tok in self.opened)
+        L = self.launcher
+        shape = (pool.slots, n_layers, self.batch.cfg.n_kv_heads, self.batch.cfg.head_dim)
+        saved = getattr(L, "_saved_rows", None)
+        if saved is None or tuple(halves.halves_shape(saved[0])) != shape:
+            saved = L._saved_rows = (halves.alloc(shape), halves.alloc(shape))
+        args = (L.table(bases), L.table(rows), len(bases), n_layers)
+        L.stores[SWA].save_group(pool.k[SWA], pool.v[SWA], *saved, *args)
+        self._saved = (saved, args)
+
+    def _abandon_opened(self) -> None:
+        if self._saved is not None:
+            (k_saved, v_saved), args = self._saved
+            pool = self.batch.pool
+            self.launcher.stores[SWA].restore_group(k_saved, v_saved, pool.k[SWA], pool.v[SWA], *args)
+            self._saved = None
+        super()._abandon_opened()
+
+    # ---- a layer ---------------------------------------------------------------------------------------
     def attend(self, layer: int, q, k, v):
         """Attend every sequence's token at ``layer``: q [B, n_heads, head_dim] (or [B, n, heads, d]), k and v
         [B, n_kv_heads, head_dim] (or [B, n, ...]), any kind arrays.py takes; returns [B, ...] like q, in q's kind."""
         if not self.is_open:
             raise EngineError(f"attend layer {layer!r}: this batch token is closed (committed or abandoned)")
+        if self.launcher is not None:
+            try:
+                layer = self.opened[0]._check_layer("attend", layer)
+            except EngineError:
+                self.abandon()
+                raise
+            return self._attend_grouped(layer, q, k, v)
         rows = [self._rows(name, x, layer, "attend") for name, x in (("q", q), ("k", k), ("v", v))]
         outs = []
         for b, tok in enumerate(self.opened):
@@ -340,11 +411,115 @@ class BatchToken(_BatchOpen):
                 raise
         return stack(outs, q)
 
+    def _attend_grouped(self, layer: int, q, k, v):
+        """Each route's sequences in one launch (batch_launch.py); a sequence on a pinned route, its own launches."""
+        L, cfg, B = self.launcher, self.batch.cfg, len(self.seqs)
+        where = f"attend layer {layer}"
+        by_route: dict[str, list[int]] = {}
+        for b, tok in enumerate(self.opened):
+            by_route.setdefault(tok.plans[0][2][layer], []).append(b)
+        alone = [b for r, rows in by_route.items() if r not in GROUP_ROUTES for b in rows]
+        shapes = {"q": (B, cfg.n_heads, cfg.head_dim), "k": (B, cfg.n_kv_heads, cfg.head_dim),
+                  "v": (B, cfg.n_kv_heads, cfg.head_dim)}
+        try:
+            for name, x in zip("qkv", (q, k, v)):
+                self._check_batch_axis(name, x, layer, "attend")
+            device = self._inputs(where, (q, k, v), shapes)
+            dispatches = []
+            if device is not None:
+                stamp = L.next_stamp()
+                self._device_stamps[stamp] = layer
+                dispatches.append((L.row_scan, (L.q, L.k, L.v, L.flags, stamp, B)))
+            for route, rows in by_route.items():
+                if route in GROUP_ROUTES:
+                    state, nwg_max = self._state(route, tuple(rows))
+                    dispatches += L.dispatches(route, layer, tuple(rows), tuple(self._slot_ids[b] for b in rows),
+                                               state, nwg_max)
+            L.run(dispatches)
+            for b, tok in enumerate(self.opened):
+                if b not in alone:
+                    tok.next_layer += 1
+            if device is not None:
+                out = arrays.device_out(device[0], shapes["q"])
+                if not L.get_device(out):
+                    raise EngineError(f"{where}: the CUDA driver could not copy the output back")
+            else:
+                out = L.get_host(B)
+            for b in alone:
+                row = self._alone(layer, b, q, k, v)
+                out[b] = (row if device is not None else arrays.to_host(f"{where} out", row)).reshape(out[b].shape)
+        except EngineError as e:
+            if self.is_open and getattr(e, "row", None) is not None:
+                raise self._refused(e.row, e) from e
+            self.abandon()
+            raise
+        except BaseException:
+            self.abandon()
+            raise
+        shape = tuple(q.shape)
+        if device is not None:
+            return out.reshape(shape)
+        return arrays.like_input(out.reshape(shape) if len(shape) == 4 else out, q)
+
+    def _alone(self, layer: int, b: int, q, k, v):
+        """Row b's layer through its own token (a pinned route): what it returns, in q's kind."""
+        try:
+            return self.opened[b].attend(layer, q[b], k[b], v[b])
+        except EngineError as e:
+            e.row = b
+            raise
+
+    def _inputs(self, where: str, qkv, shapes):
+        """q, k, v into the launcher's arrays: device tensors copied on the device (their float32 forms returned, to
+        be scanned there), host arrays checked here (None returned); a bad value names its sequence."""
+        L = self.launcher
+        arch = self.batch.arch
+        if L.gpu and all(arrays.framework_of(a) == "torch" and arrays.device_resident(a, arch) for a in qkv):
+            dev = [_one_token(arrays.device_f32(f"{where} {name}", a), shapes[name]) for name, a in zip("qkv", qkv)]
+            for name, a in zip("qkv", dev):
+                if tuple(a.shape) != shapes[name]:
+                    raise EngineError(f"{where} {name}: shape {tuple(a.shape)}, expected {shapes[name]} (sequence, "
+                                      f"heads, head_dim)")
+            if L.put_device(dev):  # into the leading rows of the launcher's arrays
+                return dev
+        host = []
+        for name, a in zip("qkv", qkv):
+            h = _one_token(arrays.to_host(f"{where} {name}", a), shapes[name])
+            bad = checked_rows(where, name, h, shapes[name])
+            if bad is not None:
+                try:
+                    _checked(where, name, h[bad], shapes[name][1:], AXES)
+                except EngineError as e:
+                    e.row = bad
+                    raise
+            host.append(h)
+        L.put_host(tuple(host))
+        return None
+
+    def _state(self, route: str, rows: tuple[int, ...]):
+        """The per-group table of the sequences ``rows`` on ``route`` (batch_launch.group_state), once a step."""
+        got = self._states.get((route, rows))
+        if got is None:
+            kind = GROUP_ROUTES[route]
+            toks = [self.opened[b] for b in rows]
+            table, nwg_max = group_state([t.plans[0] for t in toks], kind, route, [t.engine.launcher for t in toks],
+                                         [t.route_sizes[0] for t in toks])
+            got = self._states[route, rows] = (self.launcher.state_array((kind, route, rows), table), nwg_max)
+        return got
+
     def commit(self) -> None:
         """Commit every sequence's token (every layer has attended).  The device scans' flags of every sequence are
         read first, so a refusal abandons them all before any commits."""
         if not self.is_open:
             raise EngineError("commit: this batch token is closed (committed or abandoned)")
+        if self._device_stamps:
+            refused = self.launcher.refused_rows(self._first_stamp, len(self.seqs))
+            if refused:
+                b = min(refused)
+                stamp, what = refused[b]
+                raise self._refused(b, EngineError(f"attend layer {self._device_stamps.get(stamp, '?')}: the device "
+                                                   f"scan refused its arrays ({'; '.join(what)}; the last layer that "
+                                                   f"flagged it)"))
         for b, tok in enumerate(self.opened):
             try:
                 tok.check()
@@ -353,6 +528,7 @@ class BatchToken(_BatchOpen):
         with interrupts.held_back():
             for tok in self.opened:
                 tok.commit()
+            self._saved = None
             self._close()
 
 
@@ -410,6 +586,13 @@ class BatchPrompt(_BatchOpen):
                 self._close()
                 raise
             self._close()
+
+
+def _one_token(a, shape: tuple[int, ...]):
+    """[B, 1, heads, d] (one token a sequence, with the token axis) as the [B, heads, d] the kernels take."""
+    if tuple(a.shape) == (shape[0], 1, *shape[1:]):
+        return a.reshape(shape)
+    return a
 
 
 def stack(outs: list, like):

@@ -69,7 +69,7 @@ class Engine:
 
     def __init__(self, cfg: Geometry, arch: str = "auto", pinned: str = "auto", graph: str = "teacher",
                  force: str | dict | None = None, capacity: int | None = None, mirror: str | None = None,
-                 device_checks: str = "per_token", launch: str = "auto"):
+                 device_checks: str = "per_token", launch: str = "auto", pool_slot: tuple | None = None):
         inputs.choice("pinned", pinned, PINNED_MODES)
         inputs.choice("launch", launch, LAUNCH_PATHS)
         inputs.choice("device_checks", device_checks, DEVICE_CHECKS)
@@ -94,7 +94,8 @@ class Engine:
         self._forced = ladder.parse_force(force, cfg.layer_kinds)
         self._routes = ladder.RouteLog(cfg.layer_kinds)
         backing = plane_mirror.backing_for(self.arch, loaded, mirror)
-        self.cache = KVCache(cfg, capacity, backing, serving=graph == "serving")
+        # pool_slot: (PlanePool, slot) where a Batch holds this engine's planes in its pool (plane_pool.py)
+        self.cache = KVCache(cfg, capacity, backing, serving=graph == "serving", pool_slot=pool_slot)
         self.vec = VecRung(cfg, self.cache, backing.runner(cfg) if backing is not None else None)
         self.launcher = Launcher(cfg, self.cache, self.vec, launch)
         self.device_checks = device_checks

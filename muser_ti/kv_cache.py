@@ -48,17 +48,31 @@ class KVCache:
     Engine's argument); ``mirror_backing``: where mirror planes live (muser_ti/pinned/mirror.py), or None
     for none; ``serving``: keep llama.cpp's cell-order SWA cache for the serving graph."""
 
-    def __init__(self, cfg: Geometry, capacity: int | None = None, mirror_backing=None, serving: bool = False):
+    def __init__(self, cfg: Geometry, capacity: int | None = None, mirror_backing=None, serving: bool = False,
+                 pool_slot: tuple | None = None):
         self.cfg = cfg
         self._generation = backend.generation()
         caps = self.caps(cfg, capacity)
         self.planes: dict[str, PlaneSet] = {kind: PlaneSet(cfg, kind, getattr(cfg, f"{kind}_layers"), cap)
                                             for kind, cap in caps.items()}
+        # a layer's plane slot among its class's layers (host copies: halves, host_views); the device's plane slot
+        # is slot_base[kind] + that (a batch's pool holds several caches' planes, plane_pool.py)
         self.slot = {layer: i for ps in self.planes.values() for i, layer in enumerate(ps.layers)}
         self.k: dict[str, object] = {}
         self.v: dict[str, object] = {}
-        for kind, ps in self.planes.items():
-            self.k[kind], self.v[kind] = self.alloc(kind, ps.state.capacity)
+        self.pool, self.slot_base = None, {kind: 0 for kind in self.planes}
+        if pool_slot is not None:
+            if mirror_backing is not None or serving:
+                raise EngineError("a batch's pooled planes carry no mirror planes or serving cells (pinned Metal rung, "
+                                  "graph='serving'); use one engine per sequence for those")
+            self.pool, index = pool_slot
+            self.slot_base = {kind: self.pool.base(kind, index) for kind in self.planes}
+            self.pool.members.append(self)
+            for kind in self.planes:
+                self.pool_moved(kind)
+        else:
+            for kind, ps in self.planes.items():
+                self.k[kind], self.v[kind] = self.alloc(kind, ps.state.capacity)
         self.stores = {kind: build_stores(cfg.head_dim, cfg.n_kv_heads, LAYOUT_OF[kind]) for kind in self.planes}
         self.mirror = None
         if mirror_backing is not None:
@@ -105,11 +119,22 @@ class KVCache:
         shape = plane_shape(self.cfg, kind, len(self.planes[kind].layers), capacity)
         return halves.alloc(shape), halves.alloc(shape)
 
+    def pool_moved(self, kind: str) -> None:
+        """The pool's arrays of ``kind`` (new, or grown): this cache's planes and capacity follow them."""
+        self.k[kind], self.v[kind] = self.pool.k[kind], self.pool.v[kind]
+        st = self.planes[kind].state
+        if st.capacity != self.pool.capacity[kind]:
+            self.planes[kind].state = st.with_capacity(self.pool.capacity[kind])
+
+    def device_slot(self, layer: int) -> int:
+        """The plane slot of ``layer`` in the device arrays (its pool's, or its own)."""
+        return self.slot_base[self.cfg.layer_kinds[layer]] + self.slot[layer]
+
     def group(self, layers: tuple[int, ...]) -> LayerGroup:
         """The layer list of one launch (device arrays made once per composition)."""
         grp = self._groups.get(layers)
         if grp is None:
-            slots = tuple(self.slot[layer] for layer in layers)
+            slots = tuple(self.device_slot(layer) for layer in layers)
             ld, sd = ti.ndarray(ti.i32, (len(layers),)), ti.ndarray(ti.i32, (len(layers),))
             ld.from_numpy(np.asarray(layers, np.int32))
             sd.from_numpy(np.asarray(slots, np.int32))
@@ -124,13 +149,16 @@ class KVCache:
         if grp is None:
             ld, sd = ti.ndarray(ti.i32, (1,)), ti.ndarray(ti.i32, (1,))
             ld.from_numpy(np.zeros(1, np.int32))
-            sd.from_numpy(np.asarray([self.slot[layer]], np.int32))
-            grp = self._groups[key] = LayerGroup((0,), (self.slot[layer],), ld, sd)
+            sd.from_numpy(np.asarray([self.device_slot(layer)], np.int32))
+            grp = self._groups[key] = LayerGroup((0,), (self.device_slot(layer),), ld, sd)
         return grp
 
     def ensure_capacity(self, kind: str, capacity: int) -> None:
         """A growing plane moves its live rows into a larger allocation (amortised doubling)."""
         ps = self.planes[kind]
+        if self.pool is not None:  # the whole pool grows (or already holds it): every slot's capacity follows
+            self.pool.grow(kind, capacity)
+            return
         if capacity == ps.state.capacity:
             return
         k_new, v_new = self.alloc(kind, capacity)
@@ -143,7 +171,11 @@ class KVCache:
         self.set_state(kind, ps.state.with_capacity(capacity))
 
     def set_state(self, kind: str, st: PlaneState) -> None:
-        """Every plane-state change goes through here, so the mirror's bookkeeping follows the planes."""
+        """Every plane-state change goes through here, so the mirror's bookkeeping follows the planes.  A pooled
+        growing plane keeps the pool's capacity whatever a plan made before a growth said (its origins are 0: the
+        capacity only sizes the allocation, plane_pool.py)."""
+        if self.pool is not None and st.capacity != self.pool.capacity[kind]:
+            st = st.with_capacity(self.pool.capacity[kind])
         self.planes[kind].state = st
         if self.mirror is not None:
             self.mirror.set_state(kind, st)
@@ -224,13 +256,34 @@ class KVCache:
             self.serving.forget_from(position)
 
     # ---- host views ----------------------------------------------------------------------------
+    def _own(self, kind: str, a: np.ndarray) -> np.ndarray:
+        """This cache's plane slots of a whole array of its class (a pool's holds other caches' too)."""
+        base = self.slot_base[kind]
+        return a[base:base + len(self.planes[kind].layers)]
+
     def halves(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of a class's K and V planes (every layer of the class), float16 [..., head_dim]."""
-        return halves.to_halves(self.k[kind]), halves.to_halves(self.v[kind])
+        return self._own(kind, halves.to_halves(self.k[kind])), self._own(kind, halves.to_halves(self.v[kind]))
 
     def host_views(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
         """Zero-copy float16 views of a class's K and V planes (the CPU backend: Taichi's own memory)."""
-        return halves.host_view(self.k[kind]), halves.host_view(self.v[kind])
+        return self._own(kind, halves.host_view(self.k[kind])), self._own(kind, halves.host_view(self.v[kind]))
+
+    @staticmethod
+    def _pooled_rows(kind: str, rows: np.ndarray, capacity: int) -> np.ndarray:
+        """A growing plane's image widened to the pool's capacity (rows past len are dead: zeros)."""
+        if rows.shape[2] == capacity:
+            return rows
+        out = np.zeros((*rows.shape[:2], capacity, rows.shape[3]), PLANE_DTYPE)
+        out[:, :, : rows.shape[2]] = rows[:, :, :capacity]
+        return out
+
+    def _into_pool(self, kind: str, arr, image: np.ndarray) -> np.ndarray:
+        """The pool's whole array with this cache's slots replaced by ``image``: what from_halves writes."""
+        whole = halves.to_halves(arr)
+        base = self.slot_base[kind]
+        whole[base:base + image.shape[0]] = image
+        return whole
 
     # ---- snapshots -----------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict]:
@@ -266,7 +319,16 @@ class KVCache:
                 full_v = np.zeros_like(full_k)
                 full_k[:, :, : st.len], full_v[:, :, : st.len] = k, v
                 k, v = full_k, full_v
-            dk, dv = (self.k[kind], self.v[kind]) if st.capacity == ps.state.capacity else self.alloc(kind, st.capacity)
+            if self.pool is not None:  # written into this cache's slots of the pool's arrays, as they are
+                if kind == NOPE:
+                    self.pool.grow(kind, st.capacity)
+                    st = st.with_capacity(self.pool.capacity[kind])
+                    k, v = self._pooled_rows(kind, k, st.capacity), self._pooled_rows(kind, v, st.capacity)
+                dk, dv = self.k[kind], self.v[kind]
+                k, v = self._into_pool(kind, dk, k), self._into_pool(kind, dv, v)
+            else:
+                dk, dv = (self.k[kind], self.v[kind]) if st.capacity == ps.state.capacity else self.alloc(kind,
+                                                                                                      st.capacity)
             staged[kind] = (dk, dv, k, v, st)
         for kind, (dk, dv, k, v, st) in staged.items():
             halves.from_halves(dk, k)

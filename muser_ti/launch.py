@@ -68,7 +68,9 @@ class Launcher:
         self.launches = 0  # kernel launches of the last step (does not grow with the layer count)
         self.step_kernel = None  # CUDA, Vulkan: a step on the default routes is one dispatch
         self._layer_host = self._layer_dev = None  # a per-layer token's arrays (attend_layer_host), made on first use
-        if gpu and backend.active() in ONE_DISPATCH_ARCHS and SWA in cache.planes and NOPE in cache.planes:
+        # (not on a batch's pooled planes: the one-dispatch step addresses a class's planes from slot 0)
+        if (gpu and backend.active() in ONE_DISPATCH_ARCHS and SWA in cache.planes and NOPE in cache.planes
+                and cache.pool is None):
             nope, swa = cache.planes[NOPE].layers, cache.planes[SWA].layers
             self.step_kernel = build_step_kernel(D, G, KV, H, len(nope), len(swa), cfg.attention_scale,
                                                  window_of(cfg, NOPE), window_of(cfg, SWA), self.target)

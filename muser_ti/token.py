@@ -132,8 +132,9 @@ class _Open:
 class Token(_Open):
     """``n`` tokens (usually one) attended layer by layer; Engine.token(n) opens one."""
 
-    def __init__(self, engine, n: int = 1):
+    def __init__(self, engine, n: int = 1, keep_rows: bool = True):
         super().__init__(engine, n)
+        self._keep_rows = keep_rows  # False: a batch keeps the rows its sequences' tokens overwrite (batch.py)
         cache = engine.cache
         if cache.serving is not None or cache.mirror is not None:
             raise EngineError("per-layer attention does not run the serving graph or mirror planes (the pinned Metal "
@@ -159,7 +160,12 @@ class Token(_Open):
         final = self.plans[-1][1]
         for kind, ps in cache.planes.items():
             st = final[kind]
-            if st.capacity != ps.state.capacity:
+            if cache.pool is not None:
+                # a batch's pool grows for every slot now, if it must (kept: the same rows in a larger allocation)
+                cache.ensure_capacity(kind, st.capacity)
+                if not self._keep_rows:
+                    continue
+            elif st.capacity != ps.state.capacity:
                 # a growing plane grows now: the rows move into a new allocation and the old one is kept whole
                 self._old_arrays[kind] = (cache.k[kind], cache.v[kind])
                 cache.ensure_capacity(kind, st.capacity)
@@ -169,8 +175,9 @@ class Token(_Open):
             shape = (rows, len(ps.layers), self.cfg.n_kv_heads, self.cfg.head_dim)
             saved = (halves.alloc(shape), halves.alloc(shape), first, rows, st.capacity)
             store = cache.stores[kind]
-            store.save_rows(cache.k[kind], saved[0], len(ps.layers), first, rows, st.capacity)
-            store.save_rows(cache.v[kind], saved[1], len(ps.layers), first, rows, st.capacity)
+            base = cache.slot_base[kind]
+            store.save_rows(cache.k[kind], saved[0], base, len(ps.layers), first, rows, st.capacity)
+            store.save_rows(cache.v[kind], saved[1], base, len(ps.layers), first, rows, st.capacity)
             self._saved[kind] = saved
 
     def _undo(self) -> None:
@@ -181,9 +188,9 @@ class Token(_Open):
             for kind, (k, v) in self._old_arrays.items():
                 cache.k[kind], cache.v[kind] = k, v
             for kind, (sk, sv, first, rows, capacity) in self._saved.items():
-                n_slots = len(cache.planes[kind].layers)
-                cache.stores[kind].restore_rows(sk, cache.k[kind], n_slots, first, rows, capacity)
-                cache.stores[kind].restore_rows(sv, cache.v[kind], n_slots, first, rows, capacity)
+                n_slots, base = len(cache.planes[kind].layers), cache.slot_base[kind]
+                cache.stores[kind].restore_rows(sk, cache.k[kind], base, n_slots, first, rows, capacity)
+                cache.stores[kind].restore_rows(sv, cache.v[kind], base, n_slots, first, rows, capacity)
             cache.commit(self.before, self.start)
 
         interrupts.atomically(undo)

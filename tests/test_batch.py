@@ -85,6 +85,66 @@ def test_each_sequence_in_a_batch_has_its_lone_bits(arch, geom, dist):
         assert_same_state(state(batch.sequence(seq)), state(lone[seq]))
 
 
+def test_a_layer_is_one_launch_per_route_whatever_the_batch_size(arch):
+    """A step of one sequence and a step of three make the same launches: per layer its route's store (splitk),
+    producer and reducer over every sequence, one launch each (the rows a step may overwrite are kept in one more
+    when it opens, batch.BatchToken._save_rows)."""
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    launches = {}
+    for size in (1, 3):
+        batch = Batch(cfg, size, arch=arch)
+        seqs = [batch.join() for _ in range(size)]
+        sessions = {seq: Session(batch.sequence(seq), seed=40 + seq) for seq in seqs}
+        _prompt(batch, sessions, dict(zip(seqs, PROMPTS)))
+        before = batch._launcher.launches
+        _step(batch, sessions)
+        launches[size] = batch._launcher.launches - before
+        assert all(batch.sequence(s).launcher.launches == 0 for s in seqs), "no sequence launched alone"
+    routes = batch.sequence(0).routes
+    assert launches[1] == launches[3] == sum(3 if r == "splitk" else 2 for r in routes), launches
+
+
+def test_torch_cuda_tensors_are_read_on_the_device_with_the_host_arrays_bits(arch):
+    """torch CUDA tensors go to the group kernels by device copies and a row scan on the device (no host copy): the
+    bits of the same step from numpy arrays; a NaN in one row is refused when the step commits, naming the
+    sequence and the layer, and every sequence is as before it."""
+    torch = pytest.importorskip("torch")
+    if arch != "cuda" or not torch.cuda.is_available():
+        pytest.skip("torch CUDA tensors are read in place on arch='cuda' only (elsewhere: the host path, tested above)")
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    twins = [Batch(cfg, 3, arch=arch) for _ in range(2)]
+    sessions = []
+    for batch in twins:
+        seqs = [batch.join() for _ in PROMPTS]
+        ss = {seq: Session(batch.sequence(seq), seed=50 + seq) for seq in seqs}
+        _prompt(batch, ss, dict(zip(seqs, PROMPTS)))
+        sessions.append(ss)
+    cuda = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
+    for step in range(3):
+        _, host_out = _step(twins[0], sessions[0])
+        toks = {seq: sessions[1][seq].token() for seq in twins[1].sequences}
+        q, k, v = (np.stack([toks[s][i] for s in twins[1].sequences]) for i in range(3))
+        with twins[1].token() as t:
+            dev_out = [t.attend(layer, cuda(q[:, layer]), cuda(k[:, layer]), cuda(v[:, layer]))
+                       for layer in range(cfg.n_layers)]
+        assert all(o.is_cuda for o in dev_out)
+        for seq in twins[1].sequences:
+            sessions[1][seq].record(*toks[seq][1:])
+        np.testing.assert_array_equal(host_out, np.stack([o.cpu().numpy() for o in dev_out], axis=1))
+    batch = twins[1]
+    before = {s: state(batch.sequence(s)) for s in batch.sequences}
+    toks = {seq: sessions[1][seq].token() for seq in batch.sequences}
+    q, k, v = (np.stack([toks[s][i] for s in batch.sequences]) for i in range(3))
+    q[2, 1, 0, 3] = np.nan
+    with pytest.raises(EngineError, match=r"sequence 2 \(row 2\): attend layer 1: the device scan refused its arrays "
+                                          r"\(a non-finite value in q"):
+        with batch.token() as t:
+            for layer in range(cfg.n_layers):
+                t.attend(layer, cuda(q[:, layer]), cuda(k[:, layer]), cuda(v[:, layer]))
+    for s in batch.sequences:
+        assert_same_state(state(batch.sequence(s)), before[s])
+
+
 def test_sequences_join_and_leave_between_steps(arch):
     """A pool of two: a third sequence is refused while both run (the message names the pool and who holds it,
     nothing changes); one leaves, the newcomer takes its slot empty, and the one still running continues with its
@@ -263,7 +323,7 @@ def test_a_pool_is_sized_up_front_and_a_slot_is_reused(arch):
     batch = Batch(cfg, 2, arch=arch, context=300)
     per_seq = (3 * (64 + 2) + 1 * 300) * cfg.n_kv_heads * cfg.head_dim * 4
     a, b = batch.join(), batch.join()
-    assert batch.kv_bytes(a) == batch.kv_bytes(b) == per_seq
+    assert batch.kv_bytes(a) == batch.kv_bytes(b) == per_seq and batch.pool.nbytes() == 2 * per_seq
     sessions = {a: Session(batch.sequence(a), seed=7), b: Session(batch.sequence(b), seed=8)}
     lone = {a: mt.Engine(cfg, arch=arch), b: mt.Engine(cfg, arch=arch)}
     _prompt(batch, sessions, {a: 100, b: 10}, lone)

@@ -15,9 +15,8 @@ group's calls for one token of every sequence, the device synchronised at the en
   to step (what CUDA graphs need; a shape that grows every step made torch's SDPA pick its kernel anew each step,
   ~10 ms on an H100).
 
-K/V: float32 on the CPU, bfloat16 on CUDA (what a GPU user runs); the engine keeps f16 planes.  Today the engine
-launches each sequence's layer on its own (muser_ti/batch.py), so its cost grows with B.  Run it with the other
-core idle:
+K/V: float32 on the CPU, bfloat16 on CUDA (what a GPU user runs); the engine keeps f16 planes.  The engine attends
+a layer's sequences in one launch per route (muser_ti/batch_launch.py).  Run it with the other core idle:
 
     python -m muser_ti.bench.batch_decode --batch 1 --batch 8 --depth 2048 --depth 32768
 """

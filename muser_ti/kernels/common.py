@@ -16,6 +16,12 @@ WORKGROUP_THREADS = 128  # GPU threads per workgroup on the shared-memory path
 VISIT_OWNER = 64  # record mode adds 1 + 64*workgroup per visit: count = v % 64, owner = v // 64 (one visit)
 RUNNING_MAX_INIT = -3.402823466e38  # finite: exp(M_old - M_new) is 0 on the first block, never NaN
 
+# The columns of a group kernel's per-group table (producer.group_producer_kernel, reducer.build_reduce's
+# per_group, stores' store_group): what differs between the sequences of a batch.  ROW: the current token's
+# physical row.
+GROUP_POSITION, GROUP_ORIGIN_LOGICAL, GROUP_ORIGIN_PHYSICAL, GROUP_NWG, GROUP_NSG, GROUP_ROW = range(6)
+GROUP_COLUMNS = 6
+
 f32_3d = ti.types.ndarray(dtype=ti.f32, ndim=3)
 f32_4d = ti.types.ndarray(dtype=ti.f32, ndim=4)
 i32_1d = ti.types.ndarray(dtype=ti.i32, ndim=1)

@@ -9,7 +9,7 @@ precise one (Taichi runs with fast_math off), as reduce_v2's precise::exp demand
 
 import taichi as ti
 
-from .common import MAX_WORKGROUPS, cached, f32_4d, i32_1d
+from .common import GROUP_NWG, MAX_WORKGROUPS, cached, f32_4d, i32_1d, i32_2d
 
 GPU_PARTIALS_IN_FLIGHT = 32  # U: partials a GPU reducer thread loads before it uses them.  A layer's reducer is
 #                              H x D threads (4,096 for Glimmer: a warp an SM), so only a thread's own loads can
@@ -19,10 +19,12 @@ GPU_PARTIALS_IN_FLIGHT = 32  # U: partials a GPU reducer thread loads before it 
 GPU_MAXES_IN_FLIGHT = 64  # UM: the maxes a thread loads at once in the first pass (one value a partial)
 
 
-def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: int = 0, serial: bool = False):
+def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: int = 0, serial: bool = False,
+                 per_group: bool = False):
     """The reducer kernel; layers_cap (GPU): the most layers a launch merges, which makes its loop's bound a
     constant (threads past the launch's layers do nothing), as the producers' (split_geometry.gpu_items_cap says
-    why); 0: the bound is computed from n_group."""
+    why); 0: the bound is computed from n_group.  per_group: each group merges its own split's partials (a batch's
+    sequences: ``state[g, GROUP_NWG]``, producer.group_producer_kernel) in place of one ``nwg``."""
     D, H = head_dim, n_heads
     W = MAX_WORKGROUPS
     U, UM = GPU_PARTIALS_IN_FLIGHT, GPU_MAXES_IN_FLIGHT
@@ -83,27 +85,42 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: 
             if write:
                 out[layers[layer_base + g], h, d] = ti.cast(acc * inv, out_dtype)
 
+        @ti.func
+        def cpu_item(item, partials: ti.template(), out: ti.template(), layers: ti.template(), nwg):
+            """One (layer, head) on the CPU; factors computed once."""
+            g, h = item // H, item % H
+            gmax = global_max(partials, g, h, nwg)
+            factors = ti.Vector([0.0] * W)
+            total = 0.0
+            for i in range(nwg):
+                f = ti.exp(partials[g, h, i, 0] - gmax)
+                factors[i] = f
+                total += partials[g, h, i, 1] * f
+            inv = 1.0 / total if total > 0.0 else 0.0
+            for d in range(D):
+                acc = 0.0
+                for i in range(nwg):
+                    acc += partials[g, h, i, 2 + d] * factors[i]
+                out[layers[g], h, d] = ti.cast(acc * inv, out_dtype)
+
+        @ti.kernel
+        def reduce_groups(partials: f32_4d, out: out_t, layers: i32_1d, n_group: ti.i32, state: i32_2d):
+            if ti.static(not gpu):
+                ti.loop_config(serialize=serial)
+                for item in range(n_group * H):
+                    cpu_item(item, partials, out, layers, state[item // H, GROUP_NWG])
+            else:
+                for t in range(n_group * H * D):
+                    gpu_work(t, partials, out, layers, state[t // (H * D), GROUP_NWG], 1, 0)
+
         @ti.kernel
         def reduce(partials: f32_4d, out: out_t, layers: i32_1d, n_group: ti.i32, nwg: ti.i32):
             if ti.static(not gpu):
                 # serial: one layer's merge (a per-layer token, token.py) is too small to pay for waking the
                 # CPU's worker threads; each output is computed alike either way
                 ti.loop_config(serialize=serial)
-                for item in range(n_group * H):  # one (layer, head) per item; factors computed once
-                    g, h = item // H, item % H
-                    gmax = global_max(partials, g, h, nwg)
-                    factors = ti.Vector([0.0] * W)
-                    total = 0.0
-                    for i in range(nwg):
-                        f = ti.exp(partials[g, h, i, 0] - gmax)
-                        factors[i] = f
-                        total += partials[g, h, i, 1] * f
-                    inv = 1.0 / total if total > 0.0 else 0.0
-                    for d in range(D):
-                        acc = 0.0
-                        for i in range(nwg):
-                            acc += partials[g, h, i, 2 + d] * factors[i]
-                        out[layers[g], h, d] = ti.cast(acc * inv, out_dtype)
+                for item in range(n_group * H):
+                    cpu_item(item, partials, out, layers, nwg)
             elif ti.static(layers_cap > 0):
                 for t in range(layers_cap * H * D):
                     if t < n_group * H * D:
@@ -112,7 +129,9 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: 
                 for t in range(n_group * H * D):
                     gpu_work(t, partials, out, layers, nwg, 1, 0)
 
+        if per_group:
+            return reduce_groups
         reduce.gpu_work = gpu_work
         return reduce
 
-    return cached(("reduce", D, H, gpu, str(out_dtype), layers_cap, serial), build)
+    return cached(("reduce", D, H, gpu, str(out_dtype), layers_cap, serial, per_group), build)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import taichi as ti
 
-from .common import HEAD_MAJOR, TOKEN_MAJOR, cached, f32_3d, f32_4d, i32_1d, on_gpu
+from .common import GROUP_ROW, HEAD_MAJOR, TOKEN_MAJOR, cached, f32_3d, f32_4d, i32_1d, i32_2d, on_gpu
 from .halves import HALVES_PER_WORD, pack, packed_plane
 
 
@@ -44,6 +44,17 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
                 put(v_plane, slot, row, kvh, w, v_cur[layer, kvh, 2 * w], v_cur[layer, kvh, 2 * w + 1])
 
         @ti.kernel
+        def store_group(
+            k_cur: f32_3d, v_cur: f32_3d, k_plane: packed_plane, v_plane: packed_plane,
+            layers: i32_1d, slots: i32_1d, n_group: ti.i32, state: i32_2d,
+        ):
+            """store_token where each group has its own row, ``state[g, GROUP_ROW]`` (a batch's sequences)."""
+            for g, kvh, w in ti.ndrange(n_group, KV, W):
+                layer, slot, row = layers[g], slots[g], state[g, GROUP_ROW]
+                put(k_plane, slot, row, kvh, w, k_cur[layer, kvh, 2 * w], k_cur[layer, kvh, 2 * w + 1])
+                put(v_plane, slot, row, kvh, w, v_cur[layer, kvh, 2 * w], v_cur[layer, kvh, 2 * w + 1])
+
+        @ti.kernel
         def store_tokens(
             k: f32_4d, v: f32_4d, k_plane: packed_plane, v_plane: packed_plane,
             layers: i32_1d, slots: i32_1d, n_group: ti.i32, rows: i32_1d, first: ti.i32, n_rows: ti.i32,
@@ -70,27 +81,49 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
             return value
 
         @ti.kernel
-        def save_rows(plane: packed_plane, saved: packed_plane, n_slots: ti.i32, first: ti.i32, n_rows: ti.i32,
-                      capacity: ti.i32):
-            """Rows (first + t) % capacity, t < n_rows, of every layer of the class into saved[t, slot, kv, w]:
-            what a per-layer token overwrites, kept so that an abandoned token puts them back (token.py)."""
+        def save_rows(plane: packed_plane, saved: packed_plane, base: ti.i32, n_slots: ti.i32, first: ti.i32,
+                      n_rows: ti.i32, capacity: ti.i32):
+            """Rows (first + t) % capacity, t < n_rows, of plane slots base .. base + n_slots - 1 (every layer of one
+            engine's class: a batch's pool holds several engines' from ``base``, plane_pool.py) into
+            saved[t, slot, kv, w]: what a per-layer token overwrites, kept so that an abandoned token puts them back
+            (token.py)."""
             ti.loop_config(serialize=serial)
             for t, slot, kvh, w in ti.ndrange(n_rows, n_slots, KV, W):
-                saved[t, slot, kvh, w] = word(plane, slot, (first + t) % capacity, kvh, w)
+                saved[t, slot, kvh, w] = word(plane, base + slot, (first + t) % capacity, kvh, w)
 
         @ti.kernel
-        def restore_rows(saved: packed_plane, plane: packed_plane, n_slots: ti.i32, first: ti.i32, n_rows: ti.i32,
-                         capacity: ti.i32):
+        def save_group(k_plane: packed_plane, v_plane: packed_plane, k_saved: packed_plane, v_saved: packed_plane,
+                       bases: i32_1d, rows: i32_1d, n_group: ti.i32, n_layers: ti.i32):
+            """save_rows for a batch's sequences in one launch: row ``rows[g]`` of plane slots bases[g] ..
+            bases[g] + n_layers - 1 into saved[g, layer, kv, w], K and V (one row a sequence: its token's)."""
+            for g, i, kvh, w in ti.ndrange(n_group, n_layers, KV, W):
+                k_saved[g, i, kvh, w] = word(k_plane, bases[g] + i, rows[g], kvh, w)
+                v_saved[g, i, kvh, w] = word(v_plane, bases[g] + i, rows[g], kvh, w)
+
+        @ti.kernel
+        def restore_group(k_saved: packed_plane, v_saved: packed_plane, k_plane: packed_plane, v_plane: packed_plane,
+                          bases: i32_1d, rows: i32_1d, n_group: ti.i32, n_layers: ti.i32):
+            for g, i, kvh, w in ti.ndrange(n_group, n_layers, KV, W):
+                if ti.static(layout == TOKEN_MAJOR):
+                    k_plane[bases[g] + i, rows[g], kvh, w] = k_saved[g, i, kvh, w]
+                    v_plane[bases[g] + i, rows[g], kvh, w] = v_saved[g, i, kvh, w]
+                else:
+                    k_plane[bases[g] + i, kvh, rows[g], w] = k_saved[g, i, kvh, w]
+                    v_plane[bases[g] + i, kvh, rows[g], w] = v_saved[g, i, kvh, w]
+
+        @ti.kernel
+        def restore_rows(saved: packed_plane, plane: packed_plane, base: ti.i32, n_slots: ti.i32, first: ti.i32,
+                         n_rows: ti.i32, capacity: ti.i32):
             ti.loop_config(serialize=serial)
             for t, slot, kvh, w in ti.ndrange(n_rows, n_slots, KV, W):
                 row = (first + t) % capacity
                 if ti.static(layout == TOKEN_MAJOR):
-                    plane[slot, row, kvh, w] = saved[t, slot, kvh, w]
+                    plane[base + slot, row, kvh, w] = saved[t, slot, kvh, w]
                 else:
-                    plane[slot, kvh, row, w] = saved[t, slot, kvh, w]
+                    plane[base + slot, kvh, row, w] = saved[t, slot, kvh, w]
 
-        return SimpleNamespace(store_token=store_token, store_tokens=store_tokens, save_rows=save_rows,
-                               restore_rows=restore_rows, copy_rows=copy_rows if layout == HEAD_MAJOR else None)
+        return SimpleNamespace(store_token=store_token, store_group=store_group, store_tokens=store_tokens, save_rows=save_rows,
+                               restore_rows=restore_rows, save_group=save_group, restore_group=restore_group, copy_rows=copy_rows if layout == HEAD_MAJOR else None)
 
     return cached(("stores", D, KV, layout, serial), build)
 

@@ -66,6 +66,35 @@ def build_token_scan(n_heads: int, n_kv: int, head_dim: int, serial: bool = Fals
     return cached(("token_scan", H, KV, D, serial), build)
 
 
+def build_row_scan(n_heads: int, n_kv: int, head_dim: int):
+    """The token scan of a batch's layer (q [B, heads, d], k and v [B, kv heads, d]) with a record per row:
+    ``flags[b, kind]`` holds the latest stamp that flagged row b for ``kind`` (TOKEN_FLAGS kinds, as
+    build_token_scan's), so the host names the sequence as well as the layer (batch_launch.py)."""
+    H, KV, D = n_heads, n_kv, head_dim
+
+    def build():
+        @ti.kernel
+        def row_scan(q: f32_3d, k: f32_3d, v: f32_3d, flags: ti.types.ndarray(dtype=ti.i32, ndim=2), stamp: ti.i32,
+                     n_rows: ti.i32):
+            for b, r, d in ti.ndrange(n_rows, H + 2 * KV, D):
+                x, kind = 0.0, 0
+                if r < H:
+                    x = q[b, r, d]
+                elif r < H + KV:
+                    x, kind = k[b, r - H, d], 1
+                else:
+                    x, kind = v[b, r - H - KV, d], 2
+                a = ti.abs(x)
+                if not a <= F32_MAX:
+                    ti.atomic_max(flags[b, kind], stamp)
+                elif a > F16_MAX:
+                    ti.atomic_max(flags[b, kind + 2 if kind > 0 else 5], stamp)
+
+        return row_scan
+
+    return cached(("row_scan", H, KV, D), build)
+
+
 @ti.func
 def token_accepted(flags: ti.template(), base) -> ti.i32:
     """1 unless a scan since stamp ``base`` flagged a token (build_token_scan): the gate of every write the

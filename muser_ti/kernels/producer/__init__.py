@@ -26,7 +26,8 @@ from types import SimpleNamespace
 import taichi as ti
 
 from ... import backend
-from ..common import HEAD_MAJOR, TOKEN_MAJOR, f32_3d, f32_4d, i32_1d, i32_2d
+from ..common import (GROUP_NSG, GROUP_NWG, GROUP_ORIGIN_LOGICAL, GROUP_ORIGIN_PHYSICAL, GROUP_POSITION, HEAD_MAJOR,
+                      TOKEN_MAJOR, f32_3d, f32_4d, i32_1d, i32_2d)
 from ..halves import pack, packed_plane
 from .block_tile import describe_block_tile, gpu_producer_work, gpu_tile_plan, shared_arrays
 from .cpu import cpu_item_work
@@ -101,7 +102,7 @@ def addressing(layout: str, n_kv: int):
 
 
 def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layout: str, bypass: bool, record: bool,
-                   items_cap: int = 0):
+                   items_cap: int = 0, per_group: bool = False):
     """Compile-time specialised producer kernel.
 
     layout: TOKEN_MAJOR (ring, addressed through origins) or HEAD_MAJOR (growing plane).
@@ -109,11 +110,16 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
     record: add 1 + VISIT_OWNER*workgroup to ``visits[layer, block]`` per visit (ownership tests).
     items_cap: on a GPU, the most work items a launch may have, compiled in as the loop's bound
     (producer_kernel); 0: the bound is computed from the arguments.
+    per_group: every group its own position, origins and split (a batch's sequences: group_producer_kernel).
     """
     at = addressing(layout, n_kv)
     if gpu:
-        return build_gpu_producer(active_tile_plan(head_dim, heads_per_kv), n_kv, bypass, record, at, items_cap)
-    return producer_kernel(n_kv, cpu_item=cpu_item_work(head_dim, heads_per_kv, n_kv, bypass, record, at))
+        plan = active_tile_plan(head_dim, heads_per_kv)
+        if per_group:
+            return group_producer_kernel(n_kv, gpu=(plan, plan_work(plan, bypass, record, at, fused_store=bypass)))
+        return build_gpu_producer(plan, n_kv, bypass, record, at, items_cap)
+    cpu_item = cpu_item_work(head_dim, heads_per_kv, n_kv, bypass, record, at)
+    return group_producer_kernel(n_kv, cpu_item=cpu_item) if per_group else producer_kernel(n_kv, cpu_item=cpu_item)
 
 
 def build_gpu_producer(plan, n_kv: int, bypass: bool, record: bool, at, items_cap: int = 0):
@@ -198,6 +204,56 @@ def producer_kernel(n_kv: int, cpu_item=None, gpu=None, items_cap: int = 0):
     return producer
 
 
+def group_producer_kernel(n_kv: int, cpu_item=None, gpu=None):
+    """The producer over groups that each have their own position, origins and split: a batch's sequences, group
+    g being sequence g (its activations row ``layers[g]``, its plane slot ``slots[g]``, its values in
+    ``state[g, GROUP_*]``).  The launch walks ``n_group x n_kv x nwg_max`` work items; group g's item (kvh, wg)
+    runs only where wg < its own nwg, and is handed to the same per-item work as producer_kernel's as the item
+    index it has in a launch of g's own split, so each group's partials are, bit for bit, those of a launch of
+    its own.  Capacity and window are the class's (one pool: every sequence's ring and plane alike)."""
+    gpu_path = gpu is not None
+    plan, work = gpu if gpu_path else (None, None)
+    T = plan.T if gpu_path else 1
+
+    @ti.func
+    def own_item(item, state: ti.template(), nwg_max):
+        """(group, the item's index in a launch of the group's own split, or -1 where wg is past that split)."""
+        per = n_kv * nwg_max
+        g = item // per
+        kvh, wg = (item % per) // nwg_max, item % nwg_max
+        nwg = state[g, GROUP_NWG]
+        own = -1
+        if wg < nwg:
+            own = (g * n_kv + kvh) * nwg + wg
+        return g, own
+
+    @ti.kernel
+    def group_producer(
+        q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, k_plane: packed_plane, v_plane: packed_plane,
+        partials: f32_4d, visits: i32_2d, layers: i32_1d, slots: i32_1d, n_group: ti.i32, state: i32_2d,
+        window: ti.i32, capacity: ti.i32, nwg_max: ti.i32, scale: ti.f32,
+    ):
+        if ti.static(gpu_path):
+            ti.loop_config(block_dim=T)
+            for t in range(n_group * n_kv * nwg_max * T):
+                g, own = own_item(udiv(t, T), state, nwg_max)
+                if own >= 0:  # uniform across a workgroup: its T threads share the item
+                    work(umod(t, T), own, ti.static(plan_shared(plan)), q, k_cur, v_cur, k_plane, v_plane, partials,
+                         visits, layers, slots, state[g, GROUP_POSITION], window, capacity,
+                         state[g, GROUP_ORIGIN_LOGICAL], state[g, GROUP_ORIGIN_PHYSICAL], state[g, GROUP_NWG],
+                         state[g, GROUP_NSG], scale)
+        else:
+            for t in range(n_group * n_kv * nwg_max * CPU_TASK_ITERATIONS):  # one item a CPU task, as producer_kernel
+                if t & (CPU_TASK_ITERATIONS - 1) == 0:
+                    g, own = own_item(t // CPU_TASK_ITERATIONS, state, nwg_max)
+                    if own >= 0:
+                        cpu_item(own, q, k_cur, v_cur, k_plane, v_plane, partials, visits, layers, slots,
+                                 state[g, GROUP_POSITION], window, capacity, state[g, GROUP_ORIGIN_LOGICAL],
+                                 state[g, GROUP_ORIGIN_PHYSICAL], state[g, GROUP_NWG], state[g, GROUP_NSG], scale)
+
+    return group_producer
+
+
 def active_tile_plan(head_dim: int, heads_per_kv: int):
     """The GPU producer's tile on the active backend (its shared-memory budget; MUSER_GPU_TILE and
     MUSER_GPU_UNROLL where set, gpu_common.tile_choice)."""
@@ -221,6 +277,6 @@ def gpu_work(head_dim: int, heads_per_kv: int, n_kv: int, layout: str, bypass: b
     return work, plan
 
 
-__all__ = ["build_producer", "build_gpu_producer", "addressing", "active_tile_plan", "describe_plans", "gpu_work",
+__all__ = ["build_producer", "build_gpu_producer", "group_producer_kernel", "addressing", "active_tile_plan", "describe_plans", "gpu_work",
            "plan_key", "plan_shared", "plan_work", "producer_kernel", "tile_plan",
            "TOKEN_MAJOR", "HEAD_MAJOR"]

@@ -1,0 +1,204 @@
+"""One launch per route for every sequence of a batch's layer (batch.py): the pool's group kernels and arrays.
+
+A batch's sequences live in one plane pool (plane_pool.py), so one launch can attend them all.  Per layer, the
+sequences whose route is the project's own (splitk, interleaved) go out together: each route is its store (splitk
+only; interleaved fuses it), one producer and one reducer launch over every sequence on it, whatever the batch
+size, as one compiled graph.  What differs between the sequences (position, origins, the split, the row the token
+takes) is a table the group kernels read per sequence (kernels/common.GROUP_*), made once a step per class; each
+sequence keeps the split a lone engine gives it, so its output has the bits it has alone.
+
+Inputs: host arrays (numpy, torch on the CPU, mlx) are checked on the host, the first bad value named with its
+sequence; device arrays (torch CUDA tensors) are copied into the batch's arrays on the device and scanned there,
+a record per row (token_scan.build_row_scan), which the step's commit reads (one wait a step).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import taichi as ti
+
+from . import arrays, ladder
+from .config import F16_MAX, NOPE, SWA
+from .device_checks import REFUSAL_KINDS
+from .errors import EngineError
+from .kernels.common import (GROUP_COLUMNS, GROUP_NSG, GROUP_NWG, GROUP_ORIGIN_LOGICAL, GROUP_ORIGIN_PHYSICAL,
+                             GROUP_POSITION, GROUP_ROW, HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, cached, on_gpu)
+from .kernels.producer import build_producer, plan_key
+from .kernels.reducer import build_reduce
+from .kernels.stores import build_stores
+from .kernels.token_scan import TOKEN_FLAGS, build_row_scan
+from .kv_cache import LAYOUT_OF
+from .launch import host_view
+from .planes import visible_span, window_of
+from .replay import GraphReplay
+from .transfer import Transfer
+
+GROUP_ROUTES = {ladder.SPLITK: SWA, ladder.INTERLEAVED: NOPE}  # the routes a group launch serves, and their class
+AXES = ("head", "d")
+
+
+def group_producers(cfg, gpu: bool) -> dict:
+    """The per-group producers of both routes (kernels/producer.group_producer_kernel), built once a geometry."""
+    D, G, KV = cfg.head_dim, cfg.heads_per_kv, cfg.n_kv_heads
+    out = {}
+    for route, layout, bypass in ((ladder.SPLITK, TOKEN_MAJOR, False), (ladder.INTERLEAVED, HEAD_MAJOR, True)):
+        out[route] = cached(("group_producer", layout, D, G, KV, gpu, plan_key(D, G, gpu)),
+                            lambda layout=layout, bypass=bypass: build_producer(D, G, KV, gpu, layout, bypass, False,
+                                                                                per_group=True))
+    return out
+
+
+class BatchLauncher:
+    """The group kernels of a pool of ``pool.slots`` sequences, and the arrays one layer's launch binds."""
+
+    def __init__(self, cfg, pool):
+        self.cfg, self.pool = cfg, pool
+        self.gpu = gpu = on_gpu()
+        D, KV, H, B = cfg.head_dim, cfg.n_kv_heads, cfg.n_heads, pool.slots
+        self.producers = group_producers(cfg, gpu)
+        self.reduce = build_reduce(D, H, gpu, ti.f32, per_group=True)
+        self.stores = {kind: build_stores(D, KV, LAYOUT_OF[kind]) for kind in pool.k}
+        self.row_scan = build_row_scan(H, KV, D)
+        self.q, self.out = ti.ndarray(ti.f32, (B, H, D)), ti.ndarray(ti.f32, (B, H, D))
+        self.k, self.v = ti.ndarray(ti.f32, (B, KV, D)), ti.ndarray(ti.f32, (B, KV, D))
+        self.flags = ti.ndarray(ti.i32, (B, TOKEN_FLAGS))  # the row scan's stamps (zero: no scan yet)
+        self.stamp = 0
+        self._no_visits = ti.ndarray(ti.i32, (1, 1))
+        self.graphs = GraphReplay()
+        self.transfer = Transfer()
+        self._views = None if gpu else [host_view(a) for a in (self.q, self.k, self.v, self.out)]
+        self._partials: dict[str, object] = {}
+        self._tables: dict[tuple, object] = {}  # i32 tables by what they hold (made once, uploaded once)
+        self._states: dict[tuple, object] = {}  # per-group state arrays by (class, route, groups): reused every step
+        self.launches = 0
+
+    # ---- tables ----------------------------------------------------------------------------------
+    def table(self, values: tuple[int, ...]):
+        """An i32 device array holding ``values`` (a layer's activation rows or plane slots), made once."""
+        arr = self._tables.get(values)
+        if arr is None:
+            arr = self._tables[values] = ti.ndarray(ti.i32, (len(values),))
+            arr.from_numpy(np.asarray(values, np.int32))
+        return arr
+
+    def state_array(self, key: tuple, rows: np.ndarray):
+        """The per-group state table ``rows`` [groups, GROUP_COLUMNS] in the device array kept for ``key``."""
+        arr = self._states.get(key)
+        if arr is None:
+            arr = self._states[key] = ti.ndarray(ti.i32, rows.shape)
+        if self.gpu:
+            self.transfer.upload(arr, rows)
+        else:
+            host_view(arr)[...] = rows
+        return arr
+
+    def partials_for(self, kind: str, n_group: int, nwg: int):
+        """Partials scratch [sequences, heads, workgroups, 2 + d] for a class, grown to a power of two."""
+        buf = self._partials.get(kind)
+        if buf is None or buf.shape[0] < n_group or buf.shape[2] < nwg:
+            cap = max(MAX_WORKGROUPS, 1 << (nwg - 1).bit_length(), buf.shape[2] if buf is not None else 0)
+            g = self.cfg
+            buf = self._partials[kind] = ti.ndarray(ti.f32, (self.pool.slots, g.n_heads, cap, 2 + g.head_dim))
+        return buf
+
+    # ---- a layer ---------------------------------------------------------------------------------
+    def next_stamp(self) -> int:
+        self.stamp += 1
+        return self.stamp
+
+    def dispatches(self, route: str, layer: int, rows: tuple[int, ...], slots: tuple[int, ...], state, nwg_max: int):
+        """One route's launches over the sequences in ``rows`` (activation rows) at ``layer``: (kernel, args) each."""
+        kind = GROUP_ROUTES[route]
+        cfg, pool = self.cfg, self.pool
+        local = cfg.swa_layers.index(layer) if kind == SWA else cfg.nope_layers.index(layer)
+        slot_table = self.table(tuple(pool.base(kind, s) + local for s in slots))
+        row_table = self.table(rows)
+        n = len(rows)
+        partials = self.partials_for(kind, n, nwg_max)
+        k_plane, v_plane = pool.k[kind], pool.v[kind]
+        out = []
+        if route == ladder.SPLITK:  # kv_store_f16 first: splitk reads the row back from the plane
+            out.append((self.stores[SWA].store_group, (self.k, self.v, k_plane, v_plane, row_table, slot_table, n,
+                                                       state)))
+        out.append((self.producers[route], (self.q, self.k, self.v, k_plane, v_plane, partials, self._no_visits,
+                                            row_table, slot_table, n, state, window_of(cfg, kind),
+                                            pool.capacity[kind], nwg_max, cfg.attention_scale)))
+        out.append((self.reduce, (partials, self.out, row_table, n, state)))
+        return out
+
+    def run(self, dispatches) -> None:
+        self.launches += len(dispatches)
+        self.graphs.run(dispatches)
+
+    # ---- inputs and outputs ------------------------------------------------------------------------
+    def put_host(self, arrays_in: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        """Checked host q, k, v [B, ...] into the batch's arrays (views on the CPU, uploads on a GPU)."""
+        n = arrays_in[0].shape[0]
+        for dev, a, i in zip((self.q, self.k, self.v), arrays_in, range(3)):
+            if self.gpu:
+                if n == dev.shape[0]:
+                    self.transfer.upload(dev, a)
+                else:  # fewer sequences than slots: the leading rows
+                    whole = np.zeros(tuple(dev.shape), np.float32)
+                    whole[:n] = a
+                    self.transfer.upload(dev, whole)
+            else:
+                np.copyto(self._views[i][:n], a)
+
+    def get_host(self, n: int) -> np.ndarray:
+        if self.gpu:
+            return self.transfer.download(self.out, tuple(self.out.shape))[:n].copy()
+        return self._views[3][:n].copy()
+
+    def put_device(self, tensors) -> bool:
+        """torch CUDA q, k, v [B, ...] (float32, contiguous) into the batch's arrays on the device; False where the
+        driver cannot copy."""
+        t = self.transfer
+        return all(t.device_copy(t.address(dev), a.data_ptr(), a.numel() * 4)
+                   for dev, a in zip((self.q, self.k, self.v), tensors))
+
+    def get_device(self, out_tensor) -> bool:
+        t = self.transfer
+        return t.device_copy(out_tensor.data_ptr(), t.address(self.out), out_tensor.numel() * 4)
+
+    def refused_rows(self, first_stamp: int, n_rows: int) -> dict[int, tuple[int, list[str]]]:
+        """{row: (the latest stamp that flagged it, what the row scans since ``first_stamp`` found)} for rows below
+        ``n_rows`` (one download: a wait)."""
+        if self.stamp < first_stamp:
+            return {}
+        flags = self.transfer.download(self.flags, tuple(self.flags.shape)) if self.gpu else host_view(self.flags)
+        flags = flags[:n_rows]
+        out = {}
+        for b in np.flatnonzero((flags >= first_stamp).any(axis=1)):
+            out[int(b)] = (int(flags[b].max()), [REFUSAL_KINDS[i] for i in range(TOKEN_FLAGS)
+                                                 if flags[b, i] >= first_stamp])
+        return out
+
+
+def group_state(plans, kind: str, route: str, launchers, route_sizes) -> tuple[np.ndarray, int]:
+    """The per-group table of one class and route ([groups, GROUP_COLUMNS]: each sequence's position, origins, the
+    split its own engine gives this layer, its row) and the largest split."""
+    rows = np.zeros((len(plans), GROUP_COLUMNS), np.int32)
+    for g, (plan, launcher, sizes) in enumerate(zip(plans, launchers, route_sizes)):
+        p, new_states = plan[0], plan[1]
+        st = new_states[kind]
+        _, visible = visible_span(launcher.cfg, kind, p)
+        nwg, nsg = launcher.split_geometry(visible, sizes[route])
+        rows[g, GROUP_POSITION], rows[g, GROUP_ORIGIN_LOGICAL], rows[g, GROUP_ORIGIN_PHYSICAL] = (
+            p, st.origin_logical, st.origin_physical)
+        rows[g, GROUP_NWG], rows[g, GROUP_NSG], rows[g, GROUP_ROW] = nwg, nsg, st.physical(p)
+    return rows, int(rows[:, GROUP_NWG].max())
+
+
+def checked_rows(where: str, name: str, a: np.ndarray, shape: tuple[int, ...]) -> int | None:
+    """The first row of ``a`` [B, ...] holding a value the planes cannot hold (non-finite or past f16), or None;
+    one vectorised test over the whole batch (a refusal then names the value from that row)."""
+    if a.shape != shape:
+        raise EngineError(f"{where} {name}: shape {a.shape}, expected {shape} (sequence, heads, head_dim)")
+    bad = ~(np.abs(a) <= F16_MAX)
+    if not bad.any():
+        return None
+    return int(np.argwhere(bad)[0][0])
+
+
+__all__ = ["AXES", "BatchLauncher", "GROUP_ROUTES", "checked_rows", "group_producers", "group_state"]
