@@ -266,8 +266,9 @@ class _BatchOpen:
 
     def _open_each(self, open_one) -> None:
         try:
-            for row, seq in enumerate(self.seqs):
-                self.opened.append(open_one(seq, self.batch.sequence(seq)))
+            with interrupts.held_back():  # once for every sequence (each open would hold it back for itself)
+                for row, seq in enumerate(self.seqs):
+                    self.opened.append(open_one(seq, self.batch.sequence(seq)))
         except EngineError as e:
             self._abandon_opened()
             raise EngineError(f"{self.what} of sequence {seq} (row {row}): {e}; nothing was opened") from e

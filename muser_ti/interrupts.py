@@ -12,18 +12,24 @@ import signal
 import threading
 
 
+_holding = [False]  # the main thread is inside a held_back block: a nested one has nothing to add
+
+
 @contextlib.contextmanager
 def held_back():
-    """SIGINT during the block is delivered (as KeyboardInterrupt, or to the handler that was there) at its end."""
-    if threading.current_thread() is not threading.main_thread():
+    """SIGINT during the block is delivered (as KeyboardInterrupt, or to the handler that was there) at its end.
+    Nested inside another, a block is the outer one's (a batch's step holds it once for all its sequences)."""
+    if _holding[0] or threading.current_thread() is not threading.main_thread():
         yield
         return
     caught = []
     previous = signal.getsignal(signal.SIGINT)
     try:  # installed inside the try: whatever interrupts this function, the previous handler is back after it
         signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+        _holding[0] = True
         yield
     finally:
+        _holding[0] = False
         signal.signal(signal.SIGINT, previous)
         if caught:
             if callable(previous):  # Python's default handler raises KeyboardInterrupt here
