@@ -103,9 +103,14 @@ class TorchStatic:
 SIDES = ("both", "engine", "peer")
 
 
-def measure(cfg, arch: str, batch: int, depth: int, tokens: int, seed: int = 0, side: str = "both") -> dict:
+def measure(cfg, arch: str, batch: int, depth: int, tokens: int, seed: int = 0, side: str = "both",
+            model_layers: int | None = None) -> dict:
     """Medians of ``tokens`` steps; ``side``: both alternating in this process, or one alone (on a 2-core machine
-    each side in a process of its own, the other core idle)."""
+    each side in a process of its own, the other core idle).  The engine's step is also taken apart: its open and
+    commit (once a token, ``engine_open_commit_ms``) and its layers; ``model_ratio`` is the model's token of
+    ``model_layers`` layers from them, open and commit once and the group's layers once a group, against the peer's
+    group once a group."""
+    model_layers = model_layers or cfg.n_layers
     import torch
 
     rng = np.random.default_rng(seed)
@@ -117,6 +122,8 @@ def measure(cfg, arch: str, batch: int, depth: int, tokens: int, seed: int = 0, 
     peer = TorchStatic(cfg, batch, depth, context, device, dtype) if "peer" in sides else None
     L, H, KV, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     times = {"engine": [], "peer": []}
+    fixed = []  # the engine's step open and commit, apart from its layers (once a token, whatever the layer count)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     warmup = 2
     for i in range(tokens + warmup):
         def rand(*shape):
@@ -128,19 +135,30 @@ def measure(cfg, arch: str, batch: int, depth: int, tokens: int, seed: int = 0, 
             if one == "peer":
                 peer.token([x[:, :, None] for x in q], [x[:, :, None] for x in k], [x[:, :, None] for x in v])
             else:
-                with eng.token() as t:
-                    for layer in range(L):
-                        t.attend(layer, q[layer], k[layer], v[layer])
-                if device != "cpu":
-                    torch.cuda.synchronize()
+                t = eng.token()
+                t1 = time.perf_counter()
+                for layer in range(L):
+                    t.attend(layer, q[layer], k[layer], v[layer])
+                sync()  # the layers' kernels done: the commit's time is its own
+                t2 = time.perf_counter()
+                t.commit()
+                sync()
+                if i >= warmup:
+                    fixed.append((t1 - t0) + (time.perf_counter() - t2))
             if i >= warmup:
                 times[one].append(time.perf_counter() - t0)
     row = {"arch": arch, "peer": f"torch sdpa, static cache, {str(dtype).replace('torch.', '')}", "batch": batch,
            "depth": depth, "layers": L, "tokens": tokens, "side": side}
     for one in sides:
         row[f"{one}_ms"] = statistics.median(times[one]) * 1e3
+    if fixed:
+        row["engine_open_commit_ms"] = statistics.median(fixed) * 1e3
     if side == "both":
         row["ratio"] = row["engine_ms"] / row["peer_ms"]
+        # the model's token: its step opens and commits once for all its layers, the group's layers x groups
+        groups = model_layers // L
+        layers_ms = row["engine_ms"] - row["engine_open_commit_ms"]
+        row["model_ratio"] = (row["engine_open_commit_ms"] + groups * layers_ms) / (groups * row["peer_ms"])
     if eng is not None:
         row["kv_bytes_per_sequence"] = eng.kv_bytes(eng.sequences[0])
     return row
@@ -161,7 +179,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     full = load_config(args.config)
     cfg = group_geometry(full)
-    rows = [measure(cfg, args.arch, b, depth, args.tokens, side=args.side)
+    rows = [measure(cfg, args.arch, b, depth, args.tokens, side=args.side, model_layers=full.n_layers)
             for depth in (args.depth or [2048, 32768]) for b in (args.batch or [1, 8])]
     if args.json:
         json.dump({"machine": machine(), "rows": rows}, sys.stdout, indent=1)
@@ -169,11 +187,14 @@ def main(argv=None) -> int:
         return 0
     print(f"{cfg.name}: one decode step of every sequence, medians of {args.tokens} steps, alternating "
           f"({full.name}'s {full.n_layers} layers are {full.n_layers // cfg.n_layers} such groups)")
-    print(f"{'batch':>6} {'context':>8} {'engine (' + rows[0]['arch'] + ', ms)':>18} {rows[0]['peer'] + ' (ms)':>34} "
-          f"{'ratio':>7}")
+    print(f"{'batch':>6} {'context':>8} {'engine (' + rows[0]['arch'] + ', ms)':>18} {'open+commit':>12} "
+          f"{rows[0]['peer'] + ' (ms)':>34} {'ratio':>7} {'model':>7}")
     for r in rows:
-        cells = [f"{r[k]:.2f}" if k in r else "-" for k in ("engine_ms", "peer_ms", "ratio")]
-        print(f"{r['batch']:>6} {r['depth']:>8,} {cells[0]:>18} {cells[1]:>34} {cells[2]:>7}")
+        cells = [f"{r[k]:.2f}" if k in r else "-"
+                 for k in ("engine_ms", "engine_open_commit_ms", "peer_ms", "ratio", "model_ratio")]
+        print(f"{r['batch']:>6} {r['depth']:>8,} {cells[0]:>18} {cells[1]:>12} {cells[2]:>34} {cells[3]:>7} "
+              f"{cells[4]:>7}")
+    print(f"model: the ratio for {full.name}'s token, whose open and commit come once for its {full.n_layers} layers")
     return 0
 
 
