@@ -35,7 +35,7 @@ import numpy as np
 
 from . import arrays, backend, inputs, interrupts
 from .batch_launch import AXES, GROUP_ROUTES, BatchLauncher, checked_rows, group_state
-from .config import NOPE, SWA, Geometry
+from .config import NOPE, Geometry
 from .engine import Engine
 from .errors import EngineError
 from .kernels import halves
@@ -363,27 +363,31 @@ class BatchToken(_BatchOpen):
 
     # ---- the rows a step overwrites ------------------------------------------------------------------
     def _save_rows(self) -> None:
-        """Every sequence's ring row this token takes, in one launch (a NoPE row past len is dead: nothing to keep)."""
-        pool = self.batch.pool
-        if SWA not in pool.k:
-            return
-        n_layers = pool.n_layers[SWA]
-        bases = tuple(pool.base(SWA, s) for s in self._slot_ids)
-        rows = tuple(tok.plans[0][1][SWA].physical(tok.start) for tok in self.opened)
-        L = self.launcher
-        shape = (pool.slots, n_layers, self.batch.cfg.n_kv_heads, self.batch.cfg.head_dim)
-        saved = getattr(L, "_saved_rows", None)
-        if saved is None or tuple(halves.halves_shape(saved[0])) != shape:
-            saved = L._saved_rows = (halves.alloc(shape), halves.alloc(shape))
-        args = (L.table(bases), L.table(rows), len(bases), n_layers)
-        L.stores[SWA].save_group(pool.k[SWA], pool.v[SWA], *saved, *args)
-        self._saved = (saved, args)
+        """Every sequence's row this token takes in every plane, in one launch a class: a ring's row may hold a token
+        a rewind still needs, and a growing plane's row past len is dead but kept too, so an abandoned step leaves
+        the planes exactly as they were, bit for bit."""
+        pool, L = self.batch.pool, self.launcher
+        saved_rows = getattr(L, "_saved_rows", None)
+        if saved_rows is None:
+            saved_rows = L._saved_rows = {}
+        self._saved = []
+        for kind in pool.k:
+            n_layers = pool.n_layers[kind]
+            bases = tuple(pool.base(kind, s) for s in self._slot_ids)
+            rows = tuple(tok.plans[0][1][kind].physical(tok.start) for tok in self.opened)
+            shape = (pool.slots, n_layers, self.batch.cfg.n_kv_heads, self.batch.cfg.head_dim)
+            saved = saved_rows.get(kind)
+            if saved is None:
+                saved = saved_rows[kind] = (halves.alloc(shape), halves.alloc(shape))
+            args = (L.table(bases), L.table(rows), len(bases), n_layers)
+            L.stores[kind].save_group(pool.k[kind], pool.v[kind], *saved, *args)
+            self._saved.append((kind, saved, args))
 
     def _abandon_opened(self) -> None:
         if self._saved is not None:
-            (k_saved, v_saved), args = self._saved
             pool = self.batch.pool
-            self.launcher.stores[SWA].restore_group(k_saved, v_saved, pool.k[SWA], pool.v[SWA], *args)
+            for kind, (k_saved, v_saved), args in self._saved:
+                self.launcher.stores[kind].restore_group(k_saved, v_saved, pool.k[kind], pool.v[kind], *args)
             self._saved = None
         super()._abandon_opened()
 

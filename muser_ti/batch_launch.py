@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import taichi as ti
 
-from . import arrays, ladder
+from . import ladder
 from .config import F16_MAX, NOPE, SWA
 from .device_checks import REFUSAL_KINDS
 from .errors import EngineError
