@@ -38,7 +38,6 @@ from .batch_launch import AXES, GROUP_ROUTES, BatchLauncher, checked_rows, group
 from .config import NOPE, Geometry
 from .engine import Engine
 from .errors import EngineError
-from .kernels import halves
 from .kv_cache import KVCache
 from .plane_pool import PlanePool
 from .planes import NOPE_INITIAL_ROWS
@@ -349,7 +348,7 @@ class BatchToken(_BatchOpen):
         grouped = self.launcher is not None
         self._open_each(lambda seq, eng: Token(eng, n, keep_rows=not grouped))
         self._saved = None
-        self._states: dict[tuple, tuple] = {}  # (route, rows) -> (device table, largest split): made once a step
+        self._states: dict[tuple, tuple] = {}  # (route, rows) -> (per-group table, largest split): made once a step
         self._device_stamps: dict[int, int] = {}  # row-scan stamp -> layer (device inputs)
         if grouped:
             self._first_stamp = self.launcher.stamp + 1
@@ -366,28 +365,13 @@ class BatchToken(_BatchOpen):
         """Every sequence's row this token takes in every plane, in one launch a class: a ring's row may hold a token
         a rewind still needs, and a growing plane's row past len is dead but kept too, so an abandoned step leaves
         the planes exactly as they were, bit for bit."""
-        pool, L = self.batch.pool, self.launcher
-        saved_rows = getattr(L, "_saved_rows", None)
-        if saved_rows is None:
-            saved_rows = L._saved_rows = {}
-        self._saved = []
-        for kind in pool.k:
-            n_layers = pool.n_layers[kind]
-            bases = tuple(pool.base(kind, s) for s in self._slot_ids)
-            rows = tuple(tok.plans[0][1][kind].physical(tok.start) for tok in self.opened)
-            shape = (pool.slots, n_layers, self.batch.cfg.n_kv_heads, self.batch.cfg.head_dim)
-            saved = saved_rows.get(kind)
-            if saved is None:
-                saved = saved_rows[kind] = (halves.alloc(shape), halves.alloc(shape))
-            args = (L.table(bases), L.table(rows), len(bases), n_layers)
-            L.stores[kind].save_group(pool.k[kind], pool.v[kind], *saved, *args)
-            self._saved.append((kind, saved, args))
+        rows = {kind: tuple(tok.plans[0][1][kind].physical(tok.start) for tok in self.opened)
+                for kind in self.batch.pool.k}
+        self._saved = self.launcher.keep_rows(self._slot_ids, rows)
 
     def _abandon_opened(self) -> None:
         if self._saved is not None:
-            pool = self.batch.pool
-            for kind, (k_saved, v_saved), args in self._saved:
-                self.launcher.stores[kind].restore_group(k_saved, v_saved, pool.k[kind], pool.v[kind], *args)
+            self.launcher.restore_rows(self._saved)
             self._saved = None
         super()._abandon_opened()
 
@@ -423,7 +407,7 @@ class BatchToken(_BatchOpen):
         by_route: dict[str, list[int]] = {}
         for b, tok in enumerate(self.opened):
             by_route.setdefault(tok.plans[0][2][layer], []).append(b)
-        alone = [b for r, rows in by_route.items() if r not in GROUP_ROUTES for b in rows]
+        alone = {b for r, rows in by_route.items() if r not in GROUP_ROUTES for b in rows}
         shapes = {"q": (B, cfg.n_heads, cfg.head_dim), "k": (B, cfg.n_kv_heads, cfg.head_dim),
                   "v": (B, cfg.n_kv_heads, cfg.head_dim)}
         try:
@@ -450,7 +434,7 @@ class BatchToken(_BatchOpen):
                     raise EngineError(f"{where}: the CUDA driver could not copy the output back")
             else:
                 out = L.get_host(B)
-            for b in alone:
+            for b in sorted(alone):
                 row = self._alone(layer, b, q, k, v)
                 out[b] = (row if device is not None else arrays.to_host(f"{where} out", row)).reshape(out[b].shape)
         except EngineError as e:
@@ -505,12 +489,12 @@ class BatchToken(_BatchOpen):
         """The per-group table of the sequences ``rows`` on ``route`` (batch_launch.group_state), once a step."""
         got = self._states.get((route, rows))
         if got is None:
-            kind = GROUP_ROUTES[route]
             toks = [self.opened[b] for b in rows]
-            table, nwg_max = group_state([t.plans[0] for t in toks], kind, route, [t.engine.launcher for t in toks],
-                                         [t.route_sizes[0] for t in toks])
-            got = self._states[route, rows] = (self.launcher.state_array((kind, route, rows), table), nwg_max)
-        return got
+            got = self._states[route, rows] = group_state([t.plans[0] for t in toks], GROUP_ROUTES[route], route,
+                                                          [t.engine.launcher for t in toks],
+                                                          [t.route_sizes[0] for t in toks])
+        table, nwg_max = got
+        return self.launcher.held(("state", route, len(rows)), table), nwg_max
 
     def commit(self) -> None:
         """Commit every sequence's token (every layer has attended).  The device scans' flags of every sequence are

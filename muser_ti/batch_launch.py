@@ -21,6 +21,7 @@ from . import ladder
 from .config import F16_MAX, NOPE, SWA
 from .device_checks import REFUSAL_KINDS
 from .errors import EngineError
+from .kernels import halves
 from .kernels.common import (GROUP_COLUMNS, GROUP_NSG, GROUP_NWG, GROUP_ORIGIN_LOGICAL, GROUP_ORIGIN_PHYSICAL,
                              GROUP_POSITION, GROUP_ROW, HEAD_MAJOR, MAX_WORKGROUPS, TOKEN_MAJOR, cached, on_gpu)
 from .kernels.producer import build_producer, plan_key
@@ -68,34 +69,53 @@ class BatchLauncher:
         self.transfer = Transfer()
         self._views = None if gpu else [host_view(a) for a in (self.q, self.k, self.v, self.out)]
         self._partials: dict[str, object] = {}
-        self._tables: dict[tuple, object] = {}  # i32 tables by what they hold (made once, uploaded once)
-        self._states: dict[tuple, object] = {}  # per-group state arrays by (class, route, groups): reused every step
+        # small i32 arrays kept by what they are for (a layer's plane slots, the rows on a route, a class's state
+        # table), rewritten only when their values change: a layer's graph binds the same arrays step after step
+        self._arrays: dict[tuple, tuple] = {}
+        # the rows a step's tokens take, kept at its open for an abandon: [sequences, layers of the class, kv, d]
+        self._kept = {kind: (halves.alloc(shape), halves.alloc(shape))
+                      for kind in pool.k for shape in [(B, pool.n_layers[kind], KV, D)]}
         self.launches = 0
 
-    # ---- tables ----------------------------------------------------------------------------------
-    def table(self, values: tuple[int, ...]):
-        """An i32 device array holding ``values`` (a layer's activation rows or plane slots), made once."""
-        arr = self._tables.get(values)
+    # ---- small arrays ------------------------------------------------------------------------------
+    def held(self, key: tuple, values: np.ndarray):
+        """The i32 device array kept for ``key`` (its shape part of it), holding ``values``: written only when they
+        differ from what it holds, so a new mix of sequences costs an upload, not a new array and a new graph."""
+        arr, written = self._arrays.get(key, (None, None))
         if arr is None:
-            arr = self._tables[values] = ti.ndarray(ti.i32, (len(values),))
-            arr.from_numpy(np.asarray(values, np.int32))
+            arr = ti.ndarray(ti.i32, values.shape)
+        if written is None or not np.array_equal(written, values):
+            if self.gpu:
+                self.transfer.upload(arr, values)
+            else:
+                host_view(arr)[...] = values
+            self._arrays[key] = (arr, values.copy())
         return arr
 
-    def state_array(self, key: tuple, rows: np.ndarray):
-        """The per-group state table ``rows`` [groups, GROUP_COLUMNS] in the device array kept for ``key``."""
-        arr = self._states.get(key)
-        if arr is None:
-            arr = self._states[key] = ti.ndarray(ti.i32, rows.shape)
-        if self.gpu:
-            self.transfer.upload(arr, rows)
-        else:
-            host_view(arr)[...] = rows
-        return arr
+    def table(self, what: str, values: tuple[int, ...]):
+        """``held`` for a 1-D table: a layer's plane slots, a route's activation rows, a class's bases or rows."""
+        return self.held((what, len(values)), np.asarray(values, np.int32))
 
-    def partials_for(self, kind: str, n_group: int, nwg: int):
+    def keep_rows(self, slots: list[int], rows: dict[str, tuple[int, ...]]) -> list:
+        """Row ``rows[kind][g]`` of every layer of class ``kind`` of sequence slot ``slots[g]``, K and V, into the kept
+        arrays, one launch a class (stores.save_group); returns what ``restore_rows`` puts back."""
+        kept = []
+        for kind, kind_rows in rows.items():
+            bases = tuple(self.pool.base(kind, s) for s in slots)
+            args = (self.table(f"bases {kind}", bases), self.table(f"kept rows {kind}", kind_rows), len(bases),
+                    self.pool.n_layers[kind])
+            self.stores[kind].save_group(self.pool.k[kind], self.pool.v[kind], *self._kept[kind], *args)
+            kept.append((kind, args))
+        return kept
+
+    def restore_rows(self, kept: list) -> None:
+        for kind, args in kept:
+            self.stores[kind].restore_group(*self._kept[kind], self.pool.k[kind], self.pool.v[kind], *args)
+
+    def partials_for(self, kind: str, nwg: int):
         """Partials scratch [sequences, heads, workgroups, 2 + d] for a class, grown to a power of two."""
         buf = self._partials.get(kind)
-        if buf is None or buf.shape[0] < n_group or buf.shape[2] < nwg:
+        if buf is None or buf.shape[2] < nwg:
             cap = max(MAX_WORKGROUPS, 1 << (nwg - 1).bit_length(), buf.shape[2] if buf is not None else 0)
             g = self.cfg
             buf = self._partials[kind] = ti.ndarray(ti.f32, (self.pool.slots, g.n_heads, cap, 2 + g.head_dim))
@@ -111,10 +131,10 @@ class BatchLauncher:
         kind = GROUP_ROUTES[route]
         cfg, pool = self.cfg, self.pool
         local = cfg.swa_layers.index(layer) if kind == SWA else cfg.nope_layers.index(layer)
-        slot_table = self.table(tuple(pool.base(kind, s) + local for s in slots))
-        row_table = self.table(rows)
+        slot_table = self.table(f"slots {layer}", tuple(pool.base(kind, s) + local for s in slots))
+        row_table = self.table(f"rows {route}", rows)
         n = len(rows)
-        partials = self.partials_for(kind, n, nwg_max)
+        partials = self.partials_for(kind, nwg_max)
         k_plane, v_plane = pool.k[kind], pool.v[kind]
         out = []
         if route == ladder.SPLITK:  # kv_store_f16 first: splitk reads the row back from the plane

@@ -46,6 +46,19 @@ def _step(batch, sessions: dict, seqs=None):
     return toks, out
 
 
+def _twin_batches(cfg, arch, seed: int, steps: int = 0):
+    """Two batches of three sequences fed alike (PROMPTS, then ``steps`` steps): (batches, their sessions)."""
+    twins, sessions = [Batch(cfg, 3, arch=arch) for _ in range(2)], []
+    for batch in twins:
+        seqs = [batch.join() for _ in PROMPTS]
+        ss = {seq: Session(batch.sequence(seq), seed=seed + seq) for seq in seqs}
+        _prompt(batch, ss, dict(zip(seqs, PROMPTS)))
+        for _ in range(steps):
+            _step(batch, ss)
+        sessions.append(ss)
+    return twins, sessions
+
+
 def _lone_token(eng, q, k, v):
     with eng.token() as t:
         return np.stack([t.attend(layer, q[layer], k[layer], v[layer]) for layer in range(eng.cfg.n_layers)])
@@ -112,13 +125,7 @@ def test_torch_cuda_tensors_are_read_on_the_device_with_the_host_arrays_bits(arc
     if arch != "cuda" or not torch.cuda.is_available():
         pytest.skip("torch CUDA tensors are read in place on arch='cuda' only (elsewhere: the host path, tested above)")
     cfg = geometry(**GEOMETRIES["gqa4-d64"])
-    twins = [Batch(cfg, 3, arch=arch) for _ in range(2)]
-    sessions = []
-    for batch in twins:
-        seqs = [batch.join() for _ in PROMPTS]
-        ss = {seq: Session(batch.sequence(seq), seed=50 + seq) for seq in seqs}
-        _prompt(batch, ss, dict(zip(seqs, PROMPTS)))
-        sessions.append(ss)
+    twins, sessions = _twin_batches(cfg, arch, seed=50)
     cuda = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
     for step in range(3):
         _, host_out = _step(twins[0], sessions[0])
@@ -187,14 +194,7 @@ def test_a_refused_step_leaves_every_sequence_as_before(arch, where):
     batch size: the step is abandoned for every sequence (the error names the sequence and its row), and the next
     step has the bits of a batch that never saw it."""
     cfg = geometry(**GEOMETRIES["gqa4-d64"])
-    twins = [Batch(cfg, 3, arch=arch) for _ in range(2)]
-    sessions = []
-    for batch in twins:
-        seqs = [batch.join() for _ in PROMPTS]
-        ss = {seq: Session(batch.sequence(seq), seed=20 + seq) for seq in seqs}
-        _prompt(batch, ss, dict(zip(seqs, PROMPTS)))
-        _step(batch, ss)
-        sessions.append(ss)
+    twins, sessions = _twin_batches(cfg, arch, seed=20, steps=1)
     batch = twins[0]
     before = {s: state(batch.sequence(s)) for s in batch.sequences}
     toks = {seq: sessions[0][seq].token() for seq in batch.sequences}

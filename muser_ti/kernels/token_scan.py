@@ -18,6 +18,32 @@ REFUSAL_RING = 256  # tokens whose flags are kept one by one between two looks a
 FLAG_CELLS = TOKEN_FLAGS * (1 + REFUSAL_RING)  # the summary, then the ring; a layer table may follow
 
 
+def refusal_of(n_heads: int, n_kv: int):
+    """A ti.func: the flag a value sets (row r of [q heads | k heads | v heads] of row ``layer`` of q, k, v,
+    dimension d), or -1 for none: non-finite q, k, v (0, 1, 2); k, v outside the f16 range (3, 4); q outside it (5).
+    ``not |x| <= F32_MAX`` holds for NaN (every comparison with it is false) and for +-inf."""
+    H, KV = n_heads, n_kv
+
+    @ti.func
+    def refusal(q: ti.template(), k: ti.template(), v: ti.template(), layer, r, d):
+        x, kind = 0.0, 0
+        if r < H:
+            x = q[layer, r, d]
+        elif r < H + KV:
+            x, kind = k[layer, r - H, d], 1
+        else:
+            x, kind = v[layer, r - H - KV, d], 2
+        a = ti.abs(x)
+        flagged = -1
+        if not a <= F32_MAX:
+            flagged = kind
+        elif a > F16_MAX:
+            flagged = kind + 2 if kind > 0 else 5
+        return flagged
+
+    return refusal
+
+
 def build_token_scan(n_heads: int, n_kv: int, head_dim: int, serial: bool = False):
     """The input checks of a device-resident token (Engine.step_device) in one launch of one loop.
 
@@ -26,8 +52,7 @@ def build_token_scan(n_heads: int, n_kv: int, head_dim: int, serial: bool = Fals
     latest stamp that set it (the host reads ``flags[kind] == stamp`` after a scan), and the ring
     ``flags[TOKEN_FLAGS * (1 + stamp % REFUSAL_RING) + kind]`` holds it per token, so the host can name the
     first refused token of many scanned without a look between them (deferred checks).
-    ``not |x| <= F32_MAX`` holds for NaN (every comparison with it is false) and for +-inf.
-    ``serial``: one thread (the CPU's per-layer token scans a few thousand values, sooner than its worker
+    What a value sets: refusal_of.  ``serial``: one thread (the CPU's per-layer token scans a few thousand values, sooner than its worker
     threads wake)."""
     H, KV, D = n_heads, n_kv, head_dim
 
@@ -38,21 +63,14 @@ def build_token_scan(n_heads: int, n_kv: int, head_dim: int, serial: bool = Fals
             if stamp >= 0:
                 ti.atomic_max(flags[TOKEN_FLAGS * (1 + stamp % REFUSAL_RING) + kind], stamp)
 
+        refusal = refusal_of(H, KV)
+
         @ti.func
         def check(q: ti.template(), k: ti.template(), v: ti.template(), flags: ti.template(), stamp, layer, r, d):
             """Row r of [q heads | k heads | v heads] of a layer, dimension d."""
-            x, kind = 0.0, 0
-            if r < H:
-                x = q[layer, r, d]
-            elif r < H + KV:
-                x, kind = k[layer, r - H, d], 1
-            else:
-                x, kind = v[layer, r - H - KV, d], 2
-            a = ti.abs(x)
-            if not a <= F32_MAX:
+            kind = refusal(q, k, v, layer, r, d)
+            if kind >= 0:
                 flag(flags, stamp, kind)
-            elif a > F16_MAX:
-                flag(flags, stamp, kind + 2 if kind > 0 else 5)
 
         @ti.kernel
         def scan(q: f32_3d, k: f32_3d, v: f32_3d, flags: ti.types.ndarray(dtype=ti.i32, ndim=1), stamp: ti.i32):
@@ -73,22 +91,15 @@ def build_row_scan(n_heads: int, n_kv: int, head_dim: int):
     H, KV, D = n_heads, n_kv, head_dim
 
     def build():
+        refusal = refusal_of(H, KV)
+
         @ti.kernel
         def row_scan(q: f32_3d, k: f32_3d, v: f32_3d, flags: ti.types.ndarray(dtype=ti.i32, ndim=2), stamp: ti.i32,
                      n_rows: ti.i32):
             for b, r, d in ti.ndrange(n_rows, H + 2 * KV, D):
-                x, kind = 0.0, 0
-                if r < H:
-                    x = q[b, r, d]
-                elif r < H + KV:
-                    x, kind = k[b, r - H, d], 1
-                else:
-                    x, kind = v[b, r - H - KV, d], 2
-                a = ti.abs(x)
-                if not a <= F32_MAX:
+                kind = refusal(q, k, v, b, r, d)
+                if kind >= 0:
                     ti.atomic_max(flags[b, kind], stamp)
-                elif a > F16_MAX:
-                    ti.atomic_max(flags[b, kind + 2 if kind > 0 else 5], stamp)
 
         return row_scan
 
