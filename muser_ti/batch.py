@@ -67,7 +67,7 @@ class Batch:
             caps[NOPE] = min(context, caps[NOPE]) if context is not None else min(caps[NOPE], NOPE_INITIAL_ROWS)
         self.pool = PlanePool(cfg, max_sequences, caps)
         self._slots = [Engine(cfg, arch=arch, pool_slot=(self.pool, i), **engine_options) for i in range(max_sequences)]
-        self._launcher = BatchLauncher(cfg, self.pool)
+        self._launcher = BatchLauncher(cfg, self.pool, engine_options.get("launch", "auto"))
         self.arch = self._slots[0].arch
         self._free = list(range(max_sequences))  # slots, lowest first
         self._slot_of: dict[int, int] = {}  # sequence id -> slot, in the order they joined
@@ -413,27 +413,29 @@ class BatchToken(_BatchOpen):
         try:
             for name, x in zip("qkv", (q, k, v)):
                 self._check_batch_axis(name, x, layer, "attend")
-            device = self._inputs(where, (q, k, v), shapes)
+            device, io = self._inputs(where, (q, k, v), shapes)
             dispatches = []
             if device is not None:
-                stamp = L.next_stamp()
+                scan, stamp = L.scan(io, B)
                 self._device_stamps[stamp] = layer
-                dispatches.append((L.row_scan, (L.q, L.k, L.v, L.flags, stamp, B)))
+                dispatches.append(scan)
             for route, rows in by_route.items():
                 if route in GROUP_ROUTES:
                     state, nwg_max = self._state(route, tuple(rows))
                     dispatches += L.dispatches(route, layer, tuple(rows), tuple(self._slot_ids[b] for b in rows),
-                                               state, nwg_max)
-            L.run(dispatches)
+                                               state, nwg_max, io)
+            L.run(layer, dispatches)
             for b, tok in enumerate(self.opened):
                 if b not in alone:
                     tok.next_layer += 1
-            if device is not None:
+            if device is None:
+                out = L.get_host(B)
+            elif io[3] is not L.out:  # the reducer wrote the caller's tensor where it lies
+                out = io[3]
+            else:
                 out = arrays.device_out(device[0], shapes["q"])
                 if not L.get_device(out):
                     raise EngineError(f"{where}: the CUDA driver could not copy the output back")
-            else:
-                out = L.get_host(B)
             for b in sorted(alone):
                 row = self._alone(layer, b, q, k, v)
                 out[b] = (row if device is not None else arrays.to_host(f"{where} out", row)).reshape(out[b].shape)
@@ -459,8 +461,10 @@ class BatchToken(_BatchOpen):
             raise
 
     def _inputs(self, where: str, qkv, shapes):
-        """q, k, v into the launcher's arrays: device tensors copied on the device (their float32 forms returned, to
-        be scanned there), host arrays checked here (None returned); a bad value names its sequence."""
+        """q, k, v where the layer's launches read them: (device tensors or None, io = (q, k, v, out)).  Device
+        tensors (torch CUDA) are launched on where they lie on the C-API path (the output a new tensor beside them),
+        else copied into the launcher's arrays on the device; either way they are scanned there.  Host arrays are
+        checked here (a bad value names its sequence) and copied into the launcher's arrays."""
         L = self.launcher
         arch = self.batch.arch
         if L.gpu and all(arrays.framework_of(a) == "torch" and arrays.device_resident(a, arch) for a in qkv):
@@ -469,8 +473,11 @@ class BatchToken(_BatchOpen):
                 if tuple(a.shape) != shapes[name]:
                     raise EngineError(f"{where} {name}: shape {tuple(a.shape)}, expected {shapes[name]} (sequence, "
                                       f"heads, head_dim)")
+            compiled = L.compiled
+            if compiled is not None and compiled.can_import():
+                return dev, (*dev, arrays.device_out(dev[0], shapes["q"]))
             if L.put_device(dev):  # into the leading rows of the launcher's arrays
-                return dev
+                return dev, L.own_io()
         host = []
         for name, a in zip("qkv", qkv):
             h = _one_token(arrays.to_host(f"{where} {name}", a), shapes[name])
@@ -483,7 +490,7 @@ class BatchToken(_BatchOpen):
                     raise
             host.append(h)
         L.put_host(tuple(host))
-        return None
+        return None, L.own_io()
 
     def _state(self, route: str, rows: tuple[int, ...]):
         """The per-group table of the sequences ``rows`` on ``route`` (batch_launch.group_state), once a step."""

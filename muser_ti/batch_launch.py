@@ -29,6 +29,7 @@ from .kernels.reducer import build_reduce
 from .kernels.stores import build_stores
 from .kernels.token_scan import TOKEN_FLAGS, build_row_scan
 from .kv_cache import LAYOUT_OF
+from .batch_compiled import CompiledGroups
 from .launch import host_view
 from .planes import visible_span, window_of
 from .replay import GraphReplay
@@ -52,8 +53,8 @@ def group_producers(cfg, gpu: bool) -> dict:
 class BatchLauncher:
     """The group kernels of a pool of ``pool.slots`` sequences, and the arrays one layer's launch binds."""
 
-    def __init__(self, cfg, pool):
-        self.cfg, self.pool = cfg, pool
+    def __init__(self, cfg, pool, launch: str = "auto"):
+        self.cfg, self.pool, self.launch_path = cfg, pool, launch
         self.gpu = gpu = on_gpu()
         D, KV, H, B = cfg.head_dim, cfg.n_kv_heads, cfg.n_heads, pool.slots
         self.producers = group_producers(cfg, gpu)
@@ -72,10 +73,12 @@ class BatchLauncher:
         # small i32 arrays kept by what they are for (a layer's plane slots, the rows on a route, a class's state
         # table), rewritten only when their values change: a layer's graph binds the same arrays step after step
         self._arrays: dict[tuple, tuple] = {}
+        self._tables: dict[tuple, tuple] = {}  # table(): the values last written, and the array
         # the rows a step's tokens take, kept at its open for an abandon: [sequences, layers of the class, kv, d]
         self._kept = {kind: (halves.alloc(shape), halves.alloc(shape))
                       for kind in pool.k for shape in [(B, pool.n_layers[kind], KV, D)]}
         self.launches = 0
+        self._compiled = False  # the C-API path (batch_compiled.CompiledGroups), made on a step's first layer
 
     # ---- small arrays ------------------------------------------------------------------------------
     def held(self, key: tuple, values: np.ndarray):
@@ -93,8 +96,15 @@ class BatchLauncher:
         return arr
 
     def table(self, what: str, values: tuple[int, ...]):
-        """``held`` for a 1-D table: a layer's plane slots, a route's activation rows, a class's bases or rows."""
-        return self.held((what, len(values)), np.asarray(values, np.int32))
+        """``held`` for a 1-D table: a layer's plane slots, a route's activation rows, a class's bases or rows
+        (the same values as last time cost a tuple comparison: this runs several times a layer)."""
+        key = (what, len(values))
+        last = self._tables.get(key)
+        if last is not None and last[0] == values:
+            return last[1]
+        arr = self.held(key, np.asarray(values, np.int32))
+        self._tables[key] = (values, arr)
+        return arr
 
     def keep_rows(self, slots: list[int], rows: dict[str, tuple[int, ...]]) -> list:
         """Row ``rows[kind][g]`` of every layer of class ``kind`` of sequence slot ``slots[g]``, K and V, into the kept
@@ -122,12 +132,40 @@ class BatchLauncher:
         return buf
 
     # ---- a layer ---------------------------------------------------------------------------------
+    @property
+    def compiled(self) -> CompiledGroups | None:
+        """The group kernels through Taichi's C-API where the launch path takes it (batch_compiled.py), else None."""
+        if self._compiled is False:
+            self._compiled = CompiledGroups.create(self.aot_kernels(), self.launch_path)
+        return self._compiled
+
+    def aot_kernels(self) -> dict[str, tuple]:
+        """The group kernels by name, each with the key its build depends on (aot.module_key)."""
+        cfg = self.cfg
+        geometry = (cfg.head_dim, cfg.heads_per_kv, cfg.n_kv_heads, cfg.n_heads, self.gpu,
+                    repr(plan_key(cfg.head_dim, cfg.heads_per_kv, self.gpu)))
+        kernels = {"row_scan": (self.row_scan, ("row_scan", geometry)),
+                   "producer_splitk": (self.producers[ladder.SPLITK], ("group_producer", TOKEN_MAJOR, geometry)),
+                   "producer_interleaved": (self.producers[ladder.INTERLEAVED],
+                                            ("group_producer", HEAD_MAJOR, geometry)),
+                   "reduce": (self.reduce, ("reduce_groups", geometry))}
+        if SWA in self.stores:
+            kernels["store"] = (self.stores[SWA].store_group, ("store_group", geometry))
+        return kernels
+
+    def own_io(self) -> tuple:
+        """The launcher's own q, k, v, out: what a layer reads and writes unless the caller's device tensors are
+        launched on where they lie (the C-API path)."""
+        return self.q, self.k, self.v, self.out
+
     def next_stamp(self) -> int:
         self.stamp += 1
         return self.stamp
 
-    def dispatches(self, route: str, layer: int, rows: tuple[int, ...], slots: tuple[int, ...], state, nwg_max: int):
-        """One route's launches over the sequences in ``rows`` (activation rows) at ``layer``: (kernel, args) each."""
+    def dispatches(self, route: str, layer: int, rows: tuple[int, ...], slots: tuple[int, ...], state, nwg_max: int,
+                   io: tuple):
+        """One route's launches over the sequences in ``rows`` (activation rows) at ``layer``, reading and writing
+        ``io`` = (q, k, v, out): (kernel, args) each."""
         kind = GROUP_ROUTES[route]
         cfg, pool = self.cfg, self.pool
         local = cfg.swa_layers.index(layer) if kind == SWA else cfg.nope_layers.index(layer)
@@ -136,19 +174,29 @@ class BatchLauncher:
         n = len(rows)
         partials = self.partials_for(kind, nwg_max)
         k_plane, v_plane = pool.k[kind], pool.v[kind]
-        out = []
+        q, k, v, out = io
+        launches = []
         if route == ladder.SPLITK:  # kv_store_f16 first: splitk reads the row back from the plane
-            out.append((self.stores[SWA].store_group, (self.k, self.v, k_plane, v_plane, row_table, slot_table, n,
-                                                       state)))
-        out.append((self.producers[route], (self.q, self.k, self.v, k_plane, v_plane, partials, self._no_visits,
-                                            row_table, slot_table, n, state, window_of(cfg, kind),
-                                            pool.capacity[kind], nwg_max, cfg.attention_scale)))
-        out.append((self.reduce, (partials, self.out, row_table, n, state)))
-        return out
+            launches.append((self.stores[SWA].store_group, (k, v, k_plane, v_plane, row_table, slot_table, n, state)))
+        launches.append((self.producers[route], (q, k, v, k_plane, v_plane, partials, self._no_visits, row_table,
+                                                 slot_table, n, state, window_of(cfg, kind), pool.capacity[kind],
+                                                 nwg_max, cfg.attention_scale)))
+        launches.append((self.reduce, (partials, out, row_table, n, state)))
+        return launches
 
-    def run(self, dispatches) -> None:
+    def scan(self, io: tuple, n_rows: int) -> tuple:
+        """The row scan of a layer's device inputs (token_scan.build_row_scan), stamped; returns (dispatch, stamp)."""
+        stamp = self.next_stamp()
+        return (self.row_scan, (*io[:3], self.flags, stamp, n_rows)), stamp
+
+    def run(self, layer: int, dispatches) -> None:
+        """A layer's dispatches: through the C-API where it is taken, else as one compiled graph (replay.py)."""
         self.launches += len(dispatches)
-        self.graphs.run(dispatches)
+        compiled = self.compiled
+        if compiled is not None:
+            compiled.run(layer, dispatches)
+        else:
+            self.graphs.run(dispatches)
 
     # ---- inputs and outputs ------------------------------------------------------------------------
     def put_host(self, arrays_in: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:

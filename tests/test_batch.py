@@ -46,9 +46,10 @@ def _step(batch, sessions: dict, seqs=None):
     return toks, out
 
 
-def _twin_batches(cfg, arch, seed: int, steps: int = 0):
-    """Two batches of three sequences fed alike (PROMPTS, then ``steps`` steps): (batches, their sessions)."""
-    twins, sessions = [Batch(cfg, 3, arch=arch) for _ in range(2)], []
+def _twin_batches(cfg, arch, seed: int, steps: int = 0, launches=("auto", "auto")):
+    """Two batches of three sequences fed alike (PROMPTS, then ``steps`` steps), on the launch paths ``launches``:
+    (batches, their sessions)."""
+    twins, sessions = [Batch(cfg, 3, arch=arch, launch=launch) for launch in launches], []
     for batch in twins:
         seqs = [batch.join() for _ in PROMPTS]
         ss = {seq: Session(batch.sequence(seq), seed=seed + seq) for seq in seqs}
@@ -117,15 +118,33 @@ def test_a_layer_is_one_launch_per_route_whatever_the_batch_size(arch):
     assert launches[1] == launches[3] == sum(3 if r == "splitk" else 2 for r in routes), launches
 
 
-def test_torch_cuda_tensors_are_read_on_the_device_with_the_host_arrays_bits(arch):
-    """torch CUDA tensors go to the group kernels by device copies and a row scan on the device (no host copy): the
-    bits of the same step from numpy arrays; a NaN in one row is refused when the step commits, naming the
-    sequence and the layer, and every sequence is as before it."""
+def test_compiled_launches_give_the_python_paths_bits(arch):
+    """A batch's layers through Taichi's C-API (batch_compiled.py) and through Taichi's Python path (one compiled
+    graph a layer): the same bits every step, through ring wraps and pool growth, and the same planes after."""
+    if arch not in ("cpu", "cuda"):
+        pytest.skip(f"a batch launches through Taichi's C-API on cpu and cuda; {arch} takes the Python path")
+    cfg = geometry(**GEOMETRIES["gqa16-d128"])
+    twins, sessions = _twin_batches(cfg, arch, seed=60, launches=("capi", "python"))
+    assert twins[0]._launcher.compiled is not None and twins[1]._launcher.compiled is None
+    for _ in range(30):
+        outs = [_step(batch, ss)[1] for batch, ss in zip(twins, sessions)]
+        np.testing.assert_array_equal(outs[0], outs[1])
+    for seq in twins[0].sequences:
+        assert_same_state(state(twins[0].sequence(seq)), state(twins[1].sequence(seq)))
+    assert twins[0].sequence(0).plane_state(3).capacity > 64, "the pool grew"
+
+
+@pytest.mark.parametrize("launch", ["capi", "python"])
+def test_torch_cuda_tensors_are_read_on_the_device_with_the_host_arrays_bits(arch, launch):
+    """torch CUDA tensors go to the group kernels on the device, with a row scan there (no host copy): where they lie
+    on the C-API path, copied into the batch's arrays on the Python path; the bits of the same step from numpy
+    arrays; a NaN in one row is refused when the step commits, naming the sequence and the layer, and every
+    sequence is as before it."""
     torch = pytest.importorskip("torch")
     if arch != "cuda" or not torch.cuda.is_available():
         pytest.skip("torch CUDA tensors are read in place on arch='cuda' only (elsewhere: the host path, tested above)")
     cfg = geometry(**GEOMETRIES["gqa4-d64"])
-    twins, sessions = _twin_batches(cfg, arch, seed=50)
+    twins, sessions = _twin_batches(cfg, arch, seed=50, launches=("python", launch))
     cuda = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
     for step in range(3):
         _, host_out = _step(twins[0], sessions[0])

@@ -44,17 +44,20 @@ def group_geometry(cfg):
         max_context=cfg.max_context, attention_scale=cfg.attention_scale, swa_ring_slack=cfg.swa_ring_slack))
 
 
-def _filled_batch(cfg, arch: str, batch: int, depth: int, context: int, rng):
+def _filled_batch(cfg, arch: str, batch: int, depth: int, context: int, rng, launch: str = "auto"):
     from muser_ti.batch import Batch
 
-    b = Batch(cfg, batch, arch=arch, context=context)
+    b = Batch(cfg, batch, arch=arch, context=context, launch=launch)
     L, KV, D = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+    # random rows drawn once, in chunks (a deep prefill would hold GBs of float32 at once), each sequence's planes
+    # filled from them: drawing them anew for every sequence was most of a batch of 128's setup
+    chunks = [(rng.standard_normal((n, L, KV, D), dtype=np.float32), rng.standard_normal((n, L, KV, D),
+                                                                                          dtype=np.float32))
+              for n in [min(4096, depth - start) for start in range(0, depth, 4096)]]
     for _ in range(batch):
         eng = b.sequence(b.join())
-        for start in range(0, depth, 4096):  # in chunks: a deep prefill would hold GBs of float32 at once
-            n = min(4096, depth - start)
-            eng.prefill(rng.standard_normal((n, L, KV, D), dtype=np.float32),
-                        rng.standard_normal((n, L, KV, D), dtype=np.float32))
+        for k, v in chunks:
+            eng.prefill(k, v)
     return b
 
 
@@ -104,12 +107,12 @@ SIDES = ("both", "engine", "peer")
 
 
 def measure(cfg, arch: str, batch: int, depth: int, tokens: int, seed: int = 0, side: str = "both",
-            model_layers: int | None = None) -> dict:
+            model_layers: int | None = None, launch: str = "auto") -> dict:
     """Medians of ``tokens`` steps; ``side``: both alternating in this process, or one alone (on a 2-core machine
     each side in a process of its own, the other core idle).  The engine's step is also taken apart: its open and
     commit (once a token, ``engine_open_commit_ms``) and its layers; ``model_ratio`` is the model's token of
     ``model_layers`` layers from them, open and commit once and the group's layers once a group, against the peer's
-    group once a group."""
+    group once a group.  ``launch``: the engine's launch path (Engine's option: "auto", "capi", "python")."""
     model_layers = model_layers or cfg.n_layers
     import torch
 
@@ -118,7 +121,7 @@ def measure(cfg, arch: str, batch: int, depth: int, tokens: int, seed: int = 0, 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     context = depth + tokens + 4
     sides = ("engine", "peer") if side == "both" else (side,)
-    eng = _filled_batch(cfg, arch, batch, depth, context, rng) if "engine" in sides else None
+    eng = _filled_batch(cfg, arch, batch, depth, context, rng, launch) if "engine" in sides else None
     peer = TorchStatic(cfg, batch, depth, context, device, dtype) if "peer" in sides else None
     L, H, KV, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     times = {"engine": [], "peer": []}
@@ -148,7 +151,7 @@ def measure(cfg, arch: str, batch: int, depth: int, tokens: int, seed: int = 0, 
             if i >= warmup:
                 times[one].append(time.perf_counter() - t0)
     row = {"arch": arch, "peer": f"torch sdpa, static cache, {str(dtype).replace('torch.', '')}", "batch": batch,
-           "depth": depth, "layers": L, "tokens": tokens, "side": side}
+           "depth": depth, "layers": L, "tokens": tokens, "side": side, "launch": launch}
     for one in sides:
         row[f"{one}_ms"] = statistics.median(times[one]) * 1e3
     if fixed:
@@ -175,24 +178,27 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, action="append", help="context in tokens (repeatable; default 2048, 32768)")
     ap.add_argument("--tokens", type=int, default=10, help="timed steps a side (medians)")
     ap.add_argument("--side", choices=SIDES, default="both", help="both alternating, or one side alone")
+    ap.add_argument("--launch", action="append", choices=("auto", "capi", "python"),
+                    help="the engine's launch path (repeatable: a row each; default auto)")
     ap.add_argument("--json", action="store_true", help="only JSON on stdout")
     args = ap.parse_args(argv)
     full = load_config(args.config)
     cfg = group_geometry(full)
-    rows = [measure(cfg, args.arch, b, depth, args.tokens, side=args.side, model_layers=full.n_layers)
-            for depth in (args.depth or [2048, 32768]) for b in (args.batch or [1, 8])]
+    rows = [measure(cfg, args.arch, b, depth, args.tokens, side=args.side, model_layers=full.n_layers, launch=launch)
+            for depth in (args.depth or [2048, 32768]) for b in (args.batch or [1, 8]) for launch in
+            (args.launch or ["auto"])]
     if args.json:
         json.dump({"machine": machine(), "rows": rows}, sys.stdout, indent=1)
         print()
         return 0
     print(f"{cfg.name}: one decode step of every sequence, medians of {args.tokens} steps, alternating "
           f"({full.name}'s {full.n_layers} layers are {full.n_layers // cfg.n_layers} such groups)")
-    print(f"{'batch':>6} {'context':>8} {'engine (' + rows[0]['arch'] + ', ms)':>18} {'open+commit':>12} "
+    print(f"{'batch':>6} {'context':>8} {'launch':>7} {'engine (' + rows[0]['arch'] + ', ms)':>18} {'open+commit':>12} "
           f"{rows[0]['peer'] + ' (ms)':>34} {'ratio':>7} {'model':>7}")
     for r in rows:
         cells = [f"{r[k]:.2f}" if k in r else "-"
                  for k in ("engine_ms", "engine_open_commit_ms", "peer_ms", "ratio", "model_ratio")]
-        print(f"{r['batch']:>6} {r['depth']:>8,} {cells[0]:>18} {cells[1]:>12} {cells[2]:>34} {cells[3]:>7} "
+        print(f"{r['batch']:>6} {r['depth']:>8,} {r['launch']:>7} {cells[0]:>18} {cells[1]:>12} {cells[2]:>34} {cells[3]:>7} "
               f"{cells[4]:>7}")
     print(f"model: the ratio for {full.name}'s token, whose open and commit come once for its {full.n_layers} layers")
     return 0

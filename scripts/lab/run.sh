@@ -25,7 +25,8 @@
 #                    attention over its DynamicCache and StaticCache in bf16 (bench/model_token.py; LAUNCH_CONTEXTS;
 #                    TEST_TIMEOUT, PER_LAYER_TIMEOUT and MODEL_TOKEN_TIMEOUT fit them into a call's 10 minutes)
 #   batch            many sequences on CUDA: test_batch and transformers' left-padded batch, then the batched step
-#                    against torch's SDPA over a bf16 static cache (bench/batch_decode.py; BATCH_SIZES, BATCH_DEPTHS)
+#                    against torch's SDPA over a bf16 static cache (bench/batch_decode.py; BATCH_SIZES, BATCH_DEPTHS,
+#                    BATCH_LAUNCHES: the engine's launch paths, a row each)
 #   model            a model's calls (MODEL_PART: tests, bench, profile or all): the per-layer token's tests and
 #                    transformers' Glimmer on the engine on CUDA
 #                    (torch CUDA tensors, zero-copy) and Vulkan (host tensors); the host's cost per layer against
@@ -204,7 +205,8 @@ batch)  # many sequences on CUDA: the batch tests (muser_ti/batch.py, transforme
   grep -E "FAILED|ERROR" "$OUT/batch-tests.log" | head -20; tail -3 "$OUT/batch-tests.log"
   sizes=""; for b in ${BATCH_SIZES:-1 8 32 128}; do sizes="$sizes --batch $b"; done
   depths=""; for d in ${BATCH_DEPTHS:-2048 32768}; do depths="$depths --depth $d"; done
-  timeout ${BATCH_TIMEOUT:-300} python3 -m muser_ti.bench.batch_decode --arch cuda $sizes $depths --tokens 10 \
+  launches=""; for l in ${BATCH_LAUNCHES:-capi python}; do launches="$launches --launch $l"; done
+  timeout ${BATCH_TIMEOUT:-300} python3 -m muser_ti.bench.batch_decode --arch cuda $sizes $depths $launches --tokens 10 \
     > "$OUT/batch_decode_cuda.txt" 2> "$OUT/batch_decode_cuda.err"; echo "== batch_decode cuda rc=$?"
   cat "$OUT/batch_decode_cuda.txt"; tail -3 "$OUT/batch_decode_cuda.err";;
 
