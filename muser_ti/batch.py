@@ -23,10 +23,11 @@ sequence.  The step is atomic over the batch: a refusal in any sequence (a bad v
 names the sequence and its row, and abandons every sequence's token, so every sequence is exactly as before
 the step; so does an exception or Ctrl-C between layers.
 
-Today each sequence's layer goes out as that sequence's launches (the per-layer token's kernels, token.py), one
-sequence after another; the kernels that attend every sequence of a route in one launch are the next step
-(docs/design.md, "Many sequences").  The bits are those: a sequence in a batch gives exactly the bits it gives
-alone.
+A layer goes out as one launch per route for every sequence on it (batch_launch.py: the group kernels, each
+sequence's own position, origins and split read from a per-sequence table), through Taichi's C-API on the CPU and
+CUDA (batch_compiled.py) or as one compiled graph (replay.py); a sequence on a pinned route, n tokens a sequence
+and ``Batch.of``'s engines go out as each sequence's own token (token.py).  Either way a sequence in a batch
+gives exactly the bits it gives alone.
 """
 
 from __future__ import annotations

@@ -114,13 +114,22 @@ class BatchLauncher:
             bases = tuple(self.pool.base(kind, s) for s in slots)
             args = (self.table(f"bases {kind}", bases), self.table(f"kept rows {kind}", kind_rows), len(bases),
                     self.pool.n_layers[kind])
-            self.stores[kind].save_group(self.pool.k[kind], self.pool.v[kind], *self._kept[kind], *args)
+            self._launch_one(("keep", kind), self.stores[kind].save_group,
+                             (self.pool.k[kind], self.pool.v[kind], *self._kept[kind], *args))
             kept.append((kind, args))
         return kept
 
     def restore_rows(self, kept: list) -> None:
         for kind, args in kept:
-            self.stores[kind].restore_group(*self._kept[kind], self.pool.k[kind], self.pool.v[kind], *args)
+            self._launch_one(("restore", kind), self.stores[kind].restore_group,
+                             (*self._kept[kind], self.pool.k[kind], self.pool.v[kind], *args))
+
+    def _launch_one(self, key, kernel, args) -> None:
+        compiled = self.compiled
+        if compiled is not None:
+            compiled.run(key, [(kernel, args)])
+        else:
+            kernel(*args)
 
     def partials_for(self, kind: str, nwg: int):
         """Partials scratch [sequences, heads, workgroups, 2 + d] for a class, grown to a power of two."""
@@ -151,6 +160,10 @@ class BatchLauncher:
                    "reduce": (self.reduce, ("reduce_groups", geometry))}
         if SWA in self.stores:
             kernels["store"] = (self.stores[SWA].store_group, ("store_group", geometry))
+        for kind, stores in self.stores.items():  # a step's rows kept at its open, put back on abandon
+            layout = LAYOUT_OF[kind]
+            kernels[f"save_{kind}"] = (stores.save_group, ("save_group", layout, geometry))
+            kernels[f"restore_{kind}"] = (stores.restore_group, ("restore_group", layout, geometry))
         return kernels
 
     def own_io(self) -> tuple:
