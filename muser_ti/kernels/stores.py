@@ -19,7 +19,8 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
     D, KV = head_dim, n_kv
     W = D // HALVES_PER_WORD  # words per plane row
     # On the CPU a token's stores are a few thousand words: one thread does them sooner than the worker
-    # threads wake (a per-layer token makes one a layer, token.py); the prefill's and the grow copy's stay parallel
+    # threads wake (a per-layer token makes one a layer, token.py; a batch's step its sequences' rows, tens of
+    # thousands of words, measured 220 us a launch in parallel); the prefill's and the grow copy's stay parallel
     serial = not on_gpu()
 
     def build():
@@ -49,6 +50,7 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
             layers: i32_1d, slots: i32_1d, n_group: ti.i32, state: i32_2d,
         ):
             """store_token where each group has its own row, ``state[g, GROUP_ROW]`` (a batch's sequences)."""
+            ti.loop_config(serialize=serial)
             for g, kvh, w in ti.ndrange(n_group, KV, W):
                 layer, slot, row = layers[g], slots[g], state[g, GROUP_ROW]
                 put(k_plane, slot, row, kvh, w, k_cur[layer, kvh, 2 * w], k_cur[layer, kvh, 2 * w + 1])
@@ -96,6 +98,7 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
                        bases: i32_1d, rows: i32_1d, n_group: ti.i32, n_layers: ti.i32):
             """save_rows for a batch's sequences in one launch: row ``rows[g]`` of plane slots bases[g] ..
             bases[g] + n_layers - 1 into saved[g, layer, kv, w], K and V (one row a sequence: its token's)."""
+            ti.loop_config(serialize=serial)
             for g, i, kvh, w in ti.ndrange(n_group, n_layers, KV, W):
                 k_saved[g, i, kvh, w] = word(k_plane, bases[g] + i, rows[g], kvh, w)
                 v_saved[g, i, kvh, w] = word(v_plane, bases[g] + i, rows[g], kvh, w)
@@ -103,6 +106,7 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
         @ti.kernel
         def restore_group(k_saved: packed_plane, v_saved: packed_plane, k_plane: packed_plane, v_plane: packed_plane,
                           bases: i32_1d, rows: i32_1d, n_group: ti.i32, n_layers: ti.i32):
+            ti.loop_config(serialize=serial)
             for g, i, kvh, w in ti.ndrange(n_group, n_layers, KV, W):
                 if ti.static(layout == TOKEN_MAJOR):
                     k_plane[bases[g] + i, rows[g], kvh, w] = k_saved[g, i, kvh, w]
