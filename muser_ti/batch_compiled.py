@@ -29,6 +29,9 @@ from .errors import EngineError
 from .layer_launch import LAUNCH_PATHS, MAX_IMPORTED, _Imported, _StreamFence, runtime
 
 _UNSET = object()
+# "auto" on CUDA: Taichi's Python path, where every CUDA figure of the batch so far ran (one engine's rule too);
+# launch="capi" opts in
+AUTO_ON_CUDA = False
 
 
 class CompiledGroups:
@@ -51,8 +54,9 @@ class CompiledGroups:
     def create(cls, kernels: dict[str, tuple], path: str) -> "CompiledGroups | None":
         """The compiled path where ``path`` ("auto" | "capi" | "python") asks for it and the C-API works here; None
         for Taichi's Python path.  The rules are one sequence's (layer_launch.CompiledLayers.create): "auto" takes
-        the C-API on the CPU and CUDA, falling back with one warning naming why where it cannot load; "capi" raises
-        instead; elsewhere (Vulkan, Metal) the planes live in a device the C-API runtime cannot share."""
+        the C-API on the CPU, falling back with one warning naming why where it cannot load, and Taichi's Python path
+        on CUDA (AUTO_ON_CUDA); "capi" takes the C-API on the CPU and CUDA and raises where it cannot; elsewhere
+        (Vulkan, Metal) the planes live in a device the C-API runtime cannot share."""
         if path not in LAUNCH_PATHS:
             raise EngineError(f"launch={path!r}: expected one of {', '.join(LAUNCH_PATHS)}")
         arch = backend.active()
@@ -63,6 +67,8 @@ class CompiledGroups:
                 raise EngineError(f"launch='capi': a batch launches through Taichi's C-API on cpu and cuda; on {arch} "
                                   f"the planes live in the Python runtime's device, which a C-API runtime cannot share "
                                   f"(launch='auto' takes Taichi's Python path there)")
+            return None
+        if path == "auto" and arch == "cuda" and not AUTO_ON_CUDA:
             return None
         try:
             return cls(kernels)
