@@ -30,7 +30,8 @@ from .layer_launch import LAUNCH_PATHS, MAX_IMPORTED, _Imported, _StreamFence, r
 
 _UNSET = object()
 # "auto" on CUDA: Taichi's Python path, where every CUDA figure of the batch so far ran (one engine's rule too);
-# launch="capi" opts in
+# launch="capi" opts in.  This path on CUDA is written and its tests are in test_batch.py, but it has not yet run on
+# a GPU (no device was lent when it was written): turn this on only after they pass there and it measures cheaper
 AUTO_ON_CUDA = False
 
 

@@ -15,6 +15,9 @@ group's calls for one token of every sequence, the device synchronised at the en
   to step (what CUDA graphs need; a shape that grows every step made torch's SDPA pick its kernel anew each step,
   ~10 ms on an H100).
 
+* ggml (``--side ggml``, CPU, a process of its own): llama.cpp's kernel, one graph a layer with a node a sequence
+  over f16 caches (:class:`GgmlBatch`); scripts/lab/batch_cpu.sh runs it on ggml built natively.
+
 K/V: float32 on the CPU, bfloat16 on CUDA (what a GPU user runs); the engine keeps f16 planes.  The engine attends
 a layer's sequences in one launch per route (muser_ti/batch_launch.py).  Run it with the other core idle:
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -103,7 +107,53 @@ class TorchStatic:
             self.torch.cuda.synchronize()
 
 
-SIDES = ("both", "engine", "peer")
+class GgmlBatch:
+    """llama.cpp's kernel over the batch on the CPU: ggml's ``ggml_flash_attn_ext`` (muser_ti.pinned.ggml's runner,
+    on whichever ggml the process imports: scripts/lab/batch_cpu.sh runs it on ggml built natively) over each
+    sequence's f16 cache, as llama.cpp keeps it (a sliding layer's ring token-major, a full layer's rows head-major),
+    the new row written in place (f32 to f16, llama.cpp's cache copy), then one graph compute a layer with a node a
+    sequence, over the rows each holds."""
+
+    def __init__(self, cfg, batch: int, depth: int, context: int, rng):
+        from muser_ti.pinned.ggml import GgmlFlashAttn
+
+        self.cfg = cfg
+        KV, D = cfg.n_kv_heads, cfg.head_dim
+        self.planes = []
+        for kind in cfg.layer_kinds:
+            shape = (batch, cfg.window, KV, D) if kind == "swa" else (batch, KV, context, D)
+            self.planes.append(tuple(_random_halves(rng, shape) for _ in range(2)))
+        self.runner = GgmlFlashAttn(D, cfg.n_heads, KV, cfg.attention_scale, os.cpu_count(), n_nodes=batch)
+        self.batch, self.context, self.position = batch, context, depth
+
+    def token(self, qs, ks, vs) -> list:
+        from muser_ti.pinned.ggml import KVView
+
+        cfg, B, KV, D = self.cfg, self.batch, self.cfg.n_kv_heads, self.cfg.head_dim
+        outs = []
+        for layer, kind in enumerate(cfg.layer_kinds):
+            k, v = self.planes[layer]
+            if kind == "swa":
+                slot = self.position % cfg.window
+                k[:, slot], v[:, slot] = ks[layer], vs[layer]
+                held, strides = min(self.position + 1, cfg.window), (KV * D, D)
+            else:
+                k[:, :, self.position], v[:, :, self.position] = ks[layer], vs[layer]
+                held, strides = self.position + 1, (D, self.context * D)
+            views = [KVView(k[b], v[b], 0, held, *strides) for b in range(B)]
+            outs.append(self.runner.attend_many(qs[layer], views).copy())
+        self.position += 1
+        return outs
+
+
+def _random_halves(rng, shape) -> np.ndarray:
+    """f16 values of magnitude in [1/8, 1) with random signs, from random bits (fast at 10**8 values)."""
+    bits = rng.integers(0x3000, 0x3C00, size=shape, dtype=np.uint16)
+    bits |= rng.integers(0, 2, size=shape, dtype=np.uint16) << 15
+    return bits.view(np.float16)
+
+
+SIDES = ("both", "engine", "peer", "ggml")
 
 
 def measure(cfg, arch: str, batch: int, depth: int, tokens: int, seed: int = 0, side: str = "both",
@@ -123,8 +173,9 @@ def measure(cfg, arch: str, batch: int, depth: int, tokens: int, seed: int = 0, 
     sides = ("engine", "peer") if side == "both" else (side,)
     eng = _filled_batch(cfg, arch, batch, depth, context, rng, launch) if "engine" in sides else None
     peer = TorchStatic(cfg, batch, depth, context, device, dtype) if "peer" in sides else None
+    ggml = GgmlBatch(cfg, batch, depth, context, rng) if "ggml" in sides else None
     L, H, KV, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    times = {"engine": [], "peer": []}
+    times = {"engine": [], "peer": [], "ggml": []}
     fixed = []  # the engine's step open and commit, apart from its layers (once a token, whatever the layer count)
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     warmup = 2
@@ -137,6 +188,8 @@ def measure(cfg, arch: str, batch: int, depth: int, tokens: int, seed: int = 0, 
             t0 = time.perf_counter()
             if one == "peer":
                 peer.token([x[:, :, None] for x in q], [x[:, :, None] for x in k], [x[:, :, None] for x in v])
+            elif one == "ggml":
+                ggml.token(q.numpy(), k.numpy(), v.numpy())
             else:
                 t = eng.token()
                 t1 = time.perf_counter()
@@ -164,6 +217,10 @@ def measure(cfg, arch: str, batch: int, depth: int, tokens: int, seed: int = 0, 
         row["model_ratio"] = (row["engine_open_commit_ms"] + groups * layers_ms) / (groups * row["peer_ms"])
     if eng is not None:
         row["kv_bytes_per_sequence"] = eng.kv_bytes(eng.sequences[0])
+    if ggml is not None:
+        from muser_ti.bench.native_ggml import loaded_build
+
+        row["ggml"] = loaded_build()
     return row
 
 
@@ -177,7 +234,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, action="append", help="sequences (repeatable; default 1, 8)")
     ap.add_argument("--depth", type=int, action="append", help="context in tokens (repeatable; default 2048, 32768)")
     ap.add_argument("--tokens", type=int, default=10, help="timed steps a side (medians)")
-    ap.add_argument("--side", choices=SIDES, default="both", help="both alternating, or one side alone")
+    ap.add_argument("--side", choices=SIDES, default="both",
+                    help="engine and torch alternating, or one side alone (ggml: alone only)")
     ap.add_argument("--launch", action="append", choices=("auto", "capi", "python"),
                     help="the engine's launch path (repeatable: a row each; default auto)")
     ap.add_argument("--json", action="store_true", help="only JSON on stdout")
@@ -194,12 +252,12 @@ def main(argv=None) -> int:
     print(f"{cfg.name}: one decode step of every sequence, medians of {args.tokens} steps, alternating "
           f"({full.name}'s {full.n_layers} layers are {full.n_layers // cfg.n_layers} such groups)")
     print(f"{'batch':>6} {'context':>8} {'launch':>7} {'engine (' + rows[0]['arch'] + ', ms)':>18} {'open+commit':>12} "
-          f"{rows[0]['peer'] + ' (ms)':>34} {'ratio':>7} {'model':>7}")
+          f"{rows[0]['peer'] + ' (ms)':>34} {'ratio':>7} {'model':>7} {'ggml (ms)':>10}")
     for r in rows:
         cells = [f"{r[k]:.2f}" if k in r else "-"
-                 for k in ("engine_ms", "engine_open_commit_ms", "peer_ms", "ratio", "model_ratio")]
+                 for k in ("engine_ms", "engine_open_commit_ms", "peer_ms", "ratio", "model_ratio", "ggml_ms")]
         print(f"{r['batch']:>6} {r['depth']:>8,} {r['launch']:>7} {cells[0]:>18} {cells[1]:>12} {cells[2]:>34} {cells[3]:>7} "
-              f"{cells[4]:>7}")
+              f"{cells[4]:>7} {cells[5]:>10}")
     print(f"model: the ratio for {full.name}'s token, whose open and commit come once for its {full.n_layers} layers")
     return 0
 
