@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import warnings
+import weakref
 
 import numpy as np
 import taichi as ti
@@ -70,7 +71,9 @@ _NP_OF = {ti.f32: (np.float32, "f32"), ti.i32: (np.int32, "i32"), ti.u32: (np.ui
 
 
 class _Imported:
-    """The Python runtime's arrays as the C-API sees them: (TiMemory, shape, dtype name) by array, made once."""
+    """The Python runtime's arrays as the C-API sees them: (TiMemory, shape, dtype name) by array, made once.
+    An array is not kept alive here (a weak reference tells a live array from a new one given a dead one's id):
+    a plane that grew leaves its old allocation to be freed, not held for the process's life."""
 
     def __init__(self, rt: capi.Runtime):
         self.rt = rt
@@ -78,13 +81,18 @@ class _Imported:
 
     def __call__(self, arr) -> tuple:
         hit = self._by_id.get(id(arr))
-        if hit is not None and hit[0] is arr:
+        if hit is not None and hit[0]() is arr:
             return hit[1]
         np_dtype, name = _NP_OF[arr.dtype]
         shape = tuple(arr.shape)
         mem = self.rt.memory(_address(arr), int(np.prod(shape)) * np.dtype(np_dtype).itemsize)
-        self._by_id[id(arr)] = (arr, (mem, shape, name))  # the array is held: its id stays its own
+        self._by_id[id(arr)] = (weakref.ref(arr, lambda _, key=id(arr): self._forget(key)), (mem, shape, name))
         return mem, shape, name
+
+    def _forget(self, key: int) -> None:
+        hit = self._by_id.get(key)
+        if hit is not None and hit[0]() is None:
+            del self._by_id[key]
 
 
 class CompiledLayers:

@@ -7,11 +7,16 @@ sequences joining and leaving between steps.  A step is atomic over the batch: a
 it and leaves every sequence exactly as before.
 """
 
+import gc
+import warnings
+import weakref
+
 import numpy as np
 import pytest
 
 import muser_ti as mt
-from muser_ti import EngineError
+from muser_ti import EngineError, batch_compiled, capi
+from muser_ti.config import NOPE
 from muser_ti.batch import Batch
 from sessions import GEOMETRIES, NOT_ON_LAVAPIPE, Session, geometry
 from test_hostile import assert_same_state, state
@@ -132,6 +137,50 @@ def test_compiled_launches_give_the_python_paths_bits(arch):
     for seq in twins[0].sequences:
         assert_same_state(state(twins[0].sequence(seq)), state(twins[1].sequence(seq)))
     assert twins[0].sequence(0).plane_state(3).capacity > 64, "the pool grew"
+
+
+def test_a_grown_pool_frees_its_old_planes(arch):
+    """When the pool's growing planes double, their old allocation is freed once the step that grew them commits:
+    neither the C-API's record of imported arrays nor a layer's kept arguments hold it."""
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    batch = Batch(cfg, 2, arch=arch)
+    seqs = [batch.join() for _ in range(2)]
+    sessions = {seq: Session(batch.sequence(seq), seed=70 + seq) for seq in seqs}
+    _prompt(batch, sessions, {seqs[0]: 60, seqs[1]: 30})
+    _step(batch, sessions)
+    old = weakref.ref(batch.pool.k[NOPE])
+    while batch.pool.capacity[NOPE] == 64:
+        _step(batch, sessions)
+    gc.collect()
+    assert old() is None, "the pool's NoPE plane before it grew is still referenced"
+
+
+def test_auto_falls_back_to_the_python_path_with_one_warning(arch, monkeypatch):
+    """Where the C-API cannot load, a batch's launch="auto" warns once, naming why, and its layers take Taichi's
+    Python path (the same bits); launch="capi" refuses with the same reason, naming the option."""
+    if arch != "cpu":
+        pytest.skip("launch='auto' takes the C-API on the CPU only (the Python path on CUDA, Vulkan and Metal)")
+
+    def unavailable(arch):
+        raise capi.CApiError("libtaichi_c_api.so did not load (simulated)")
+
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    monkeypatch.setattr(batch_compiled, "runtime", unavailable)
+    twins, sessions = _twin_batches(cfg, arch, seed=80, launches=("auto", "python"))
+    with pytest.warns(RuntimeWarning, match=r"C-API cannot be used here \(libtaichi_c_api.so did not load"):
+        outs = [_step(batch, ss)[1] for batch, ss in zip(twins, sessions)]
+    assert twins[0]._launcher.compiled is None
+    np.testing.assert_array_equal(outs[0], outs[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the next steps say nothing
+        outs = [_step(batch, ss)[1] for batch, ss in zip(twins, sessions)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    refused = Batch(cfg, 1, arch=arch, launch="capi")
+    refused.join()
+    with pytest.raises(EngineError, match=r"launch='capi': libtaichi_c_api.so did not load \(simulated\)"):
+        with refused.token() as t:
+            t.attend(0, *(np.ones((1, h, cfg.head_dim), np.float32) for h in (cfg.n_heads, cfg.n_kv_heads,
+                                                                                cfg.n_kv_heads)))
 
 
 @pytest.mark.parametrize("launch", ["capi", "python"])

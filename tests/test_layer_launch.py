@@ -7,7 +7,9 @@ Python runtime's device, which a C-API runtime cannot share), so these tests ski
 holds the default path (compiled, on the CPU) to step() bit for bit; here the two launch paths meet.
 """
 
+import gc
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -93,6 +95,23 @@ def test_new_arrays_every_token_import_nothing_new(compiled_arch):
         q, k, v = s.token()
         _attend_all(eng, q[None], k[None], v[None], 1, lambda a: a.copy())
     assert layer_launch.runtime("cpu").imported == before
+
+
+def test_a_grown_plane_is_freed(compiled_arch):
+    """The compiled path's record of the arrays it imported keeps none alive: once the token that grew the NoPE
+    plane commits, the plane's old allocation is freed (held, it would stay for the process's life)."""
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    eng = mt.Engine(cfg, arch=compiled_arch, launch="capi")
+    s = Session(eng, seed=3)
+    s.prefill(60)
+    q, k, v = s.token()
+    _attend_all(eng, q[None], k[None], v[None], 1, lambda a: a)
+    old = weakref.ref(eng.cache.k["nope"])
+    while eng.plane_state(3).capacity == 64:
+        q, k, v = s.token()
+        _attend_all(eng, q[None], k[None], v[None], 1, lambda a: a)
+    gc.collect()
+    assert old() is None, "the NoPE plane's allocation before it grew is still referenced"
 
 
 def test_auto_falls_back_to_the_python_path_with_one_warning(compiled_arch, monkeypatch):
