@@ -20,13 +20,10 @@ their arguments on, fenced with events both ways where the caller's current torc
 
 from __future__ import annotations
 
-import warnings
-
 import taichi as ti
 
 from . import aot, backend, capi
-from .errors import EngineError
-from .layer_launch import LAUNCH_PATHS, MAX_IMPORTED, _Imported, _StreamFence, runtime
+from .layer_launch import MAX_IMPORTED, _Imported, _StreamFence, runtime, take_compiled
 
 _UNSET = object()
 # "auto" on CUDA: Taichi's Python path, where every CUDA figure of the batch so far ran (one engine's rule too);
@@ -54,31 +51,9 @@ class CompiledGroups:
     @classmethod
     def create(cls, kernels: dict[str, tuple], path: str) -> "CompiledGroups | None":
         """The compiled path where ``path`` ("auto" | "capi" | "python") asks for it and the C-API works here; None
-        for Taichi's Python path.  The rules are one sequence's (layer_launch.CompiledLayers.create): "auto" takes
-        the C-API on the CPU, falling back with one warning naming why where it cannot load, and Taichi's Python path
-        on CUDA (AUTO_ON_CUDA); "capi" takes the C-API on the CPU and CUDA and raises where it cannot; elsewhere
-        (Vulkan, Metal) the planes live in a device the C-API runtime cannot share."""
-        if path not in LAUNCH_PATHS:
-            raise EngineError(f"launch={path!r}: expected one of {', '.join(LAUNCH_PATHS)}")
-        arch = backend.active()
-        if path == "python":
-            return None
-        if arch not in ("cpu", "cuda"):
-            if path == "capi":
-                raise EngineError(f"launch='capi': a batch launches through Taichi's C-API on cpu and cuda; on {arch} "
-                                  f"the planes live in the Python runtime's device, which a C-API runtime cannot share "
-                                  f"(launch='auto' takes Taichi's Python path there)")
-            return None
-        if path == "auto" and arch == "cuda" and not AUTO_ON_CUDA:
-            return None
-        try:
-            return cls(kernels)
-        except capi.CApiError as exc:
-            if path == "capi":
-                raise EngineError(f"launch='capi': {exc}") from None
-            warnings.warn(f"muser_ti: Taichi's C-API cannot be used here ({exc}); a batch's layers take Taichi's "
-                          f"Python launch path, tens of microseconds a kernel", RuntimeWarning, stacklevel=4)
-            return None
+        for Taichi's Python path: one engine's rule (layer_launch.take_compiled), "auto" on CUDA as AUTO_ON_CUDA
+        says."""
+        return take_compiled(path, "a batch's layers", lambda: cls(kernels), AUTO_ON_CUDA)
 
     def can_import(self) -> bool:
         """Whether a caller's device tensors are still imported where they lie (layer_launch.MAX_IMPORTED)."""

@@ -127,34 +127,12 @@ class CompiledLayers:
 
     @classmethod
     def create(cls, launcher, path: str):
-        """The compiled path for ``launcher`` where ``path`` ("auto" | "capi" | "python") asks for it and the
-        C-API works here; None for the Python path.  "auto" takes the C-API on the CPU and falls back with one
-        warning naming why where it cannot load, and takes the Python path on CUDA (same bits there, not measured
-        cheaper); "capi" raises instead of falling back."""
-        if path not in LAUNCH_PATHS:
-            raise EngineError(f"launch={path!r}: expected one of {', '.join(LAUNCH_PATHS)}")
-        arch = backend.active()
-        if path == "python":
-            return None
-        if arch not in ("cpu", "cuda"):
-            if path == "capi":
-                raise EngineError(f"launch='capi': the engine launches through Taichi's C-API on cpu and cuda; on "
-                                  f"{arch} the planes live in the Python runtime's device, which a C-API runtime "
-                                  f"cannot share (launch='auto' takes Taichi's Python path there)")
-            return None
-        if path == "auto" and arch == "cuda":
-            # on an H100 the C-API path gives the Python path's bits (test_layer_launch), but a whole model's token
-            # measured no cheaper on it (docs/PERF.md's CUDA section) and its host cost per layer is unmeasured:
-            # the default stays on the path every CUDA figure ran on; launch="capi" opts in
-            return None
-        try:
-            return cls(launcher)
-        except capi.CApiError as exc:
-            if path == "capi":
-                raise EngineError(f"launch='capi': {exc}") from None
-            warnings.warn(f"muser_ti: Taichi's C-API cannot be used here ({exc}); per-layer attention takes "
-                          f"Taichi's Python launch path, tens of microseconds a kernel", RuntimeWarning, stacklevel=4)
-            return None
+        """The compiled path for ``launcher`` where ``path`` asks for it and the C-API works here (take_compiled);
+        None for the Python path.  On CUDA "auto" takes the Python path: there the C-API path gives the Python
+        path's bits on an H100 (test_layer_launch), but a whole model's token measured no cheaper on it
+        (docs/PERF.md's CUDA section) and its host cost per layer is unmeasured, so the default stays on the path
+        every CUDA figure ran on; launch="capi" opts in."""
+        return take_compiled(path, "per-layer attention", lambda: cls(launcher))
 
     @staticmethod
     def _kernels(launcher) -> dict[str, tuple]:
@@ -369,6 +347,36 @@ class _StreamFence:
             self._wait(self._stream, self._events[1], 0)
 
 
+def take_compiled(path: str, what: str, build, auto_on_cuda: bool = False):
+    """The launch-path rule of one engine's layers and a batch's (batch_compiled.py): ``build()`` (the compiled path,
+    through Taichi's C-API) where ``path`` ("auto" | "capi" | "python") asks for it and the C-API works here, else
+    None (Taichi's Python path).  "auto" takes the C-API on the CPU (and on CUDA where ``auto_on_cuda``), falling back
+    with one warning naming why where it cannot load; "capi" takes it on the CPU and CUDA and raises where it cannot;
+    on Vulkan and Metal the planes live in the Python runtime's device, which a C-API runtime cannot share.  ``what``
+    names the caller in the warning."""
+    if path not in LAUNCH_PATHS:
+        raise EngineError(f"launch={path!r}: expected one of {', '.join(LAUNCH_PATHS)}")
+    arch = backend.active()
+    if path == "python":
+        return None
+    if arch not in ("cpu", "cuda"):
+        if path == "capi":
+            raise EngineError(f"launch='capi': the engine launches through Taichi's C-API on cpu and cuda; on {arch} "
+                              f"the planes live in the Python runtime's device, which a C-API runtime cannot share "
+                              f"(launch='auto' takes Taichi's Python path there)")
+        return None
+    if path == "auto" and arch == "cuda" and not auto_on_cuda:
+        return None
+    try:
+        return build()
+    except capi.CApiError as exc:
+        if path == "capi":
+            raise EngineError(f"launch='capi': {exc}") from None
+        warnings.warn(f"muser_ti: Taichi's C-API cannot be used here ({exc}); {what} takes Taichi's Python launch "
+                      f"path, tens of microseconds a kernel", RuntimeWarning, stacklevel=5)
+        return None
+
+
 def refuse_capture(torch) -> None:
     """Raise CaptureRefused where the caller's stream is capturing a CUDA graph (CAPTURE_REASON says why)."""
     if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
@@ -388,4 +396,4 @@ def runtime(arch: str) -> capi.Runtime:
 
 
 __all__ = ["CAPTURE_REASON", "CaptureRefused", "CompiledLayers", "LAUNCH_PATHS", "ScanRefused", "refuse_capture",
-           "runtime"]
+           "runtime", "take_compiled"]
