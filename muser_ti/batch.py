@@ -317,8 +317,16 @@ class _BatchOpen:
         if exc_type is not None:
             self.abandon()
             return False
+        missing = self._missing()
+        if missing is not None:
+            self.abandon()
+            raise EngineError(f"batch {self.what}: {missing}; it was abandoned and every sequence is as before it")
         self.commit()
         return False
+
+    def _missing(self) -> str | None:
+        """What keeps the step from committing (layers not yet run), or None."""
+        return self.opened[0]._missing() if self.opened else None
 
     def abandon(self) -> None:
         """Undo every sequence's token: each exactly as before it.  Closed: nothing to do."""
@@ -351,6 +359,11 @@ class BatchToken(_BatchOpen):
         self._saved = None
         self._states: dict[tuple, tuple] = {}  # (route, rows) -> (per-group table, largest split): made once a step
         self._device_stamps: dict[int, int] = {}  # row-scan stamp -> layer (device inputs)
+        # the grouped path keeps the layer order for the batch (each sequence's token learns it at the commit, or
+        # before a layer it attends alone), and, where no sequence forces a layer's route, groups the sequences by
+        # route once a class a step: per layer nothing walks the batch
+        self.next_layer = 0
+        self._by_class = {} if grouped and not any(tok.engine._forced for tok in self.opened) else None
         if grouped:
             self._first_stamp = self.launcher.stamp + 1
             self._slot_ids = [batch._slot_of[s] for s in seqs]
@@ -384,7 +397,7 @@ class BatchToken(_BatchOpen):
             raise EngineError(f"attend layer {layer!r}: this batch token is closed (committed or abandoned)")
         if self.launcher is not None:
             try:
-                layer = self.opened[0]._check_layer("attend", layer)
+                layer = self._check_layer(layer)
             except EngineError:
                 self.abandon()
                 raise
@@ -401,14 +414,50 @@ class BatchToken(_BatchOpen):
                 raise
         return stack(outs, q)
 
+    def _missing(self) -> str | None:
+        if self.launcher is None:
+            return super()._missing()
+        L = self.batch.cfg.n_layers
+        if self.next_layer == L:
+            return None
+        return (f"layers {self.next_layer}..{L - 1} have not run (every layer runs once, in order)"
+                if self.next_layer < L - 1 else f"layer {L - 1} has not run")
+
+    def _check_layer(self, layer) -> int:
+        """The batch's layer order (a grouped step's: one for every sequence)."""
+        L = self.batch.cfg.n_layers
+        layer = inputs.integer("attend layer", layer)
+        if not 0 <= layer < L:
+            raise EngineError(f"attend layer {layer}: expected a layer in [0, {L})")
+        if layer != self.next_layer:
+            raise EngineError(f"attend layer {layer}: " + (
+                f"this batch token's layers 0..{self.next_layer - 1} have attended; layer {self.next_layer} is next"
+                if layer < self.next_layer else f"out of order: layer {self.next_layer} is next (layers attend in "
+                                                f"order 0..{L - 1})"))
+        return layer
+
+    def _grouping(self, layer: int) -> tuple[dict, tuple, tuple]:
+        """(route -> activation rows, the rows on a pinned route (each alone), route -> their slots) at ``layer``:
+        once a class a step where no sequence forces a route, else walked for the layer."""
+        kind = self.batch.cfg.layer_kinds[layer]
+        if self._by_class is not None and kind in self._by_class:
+            return self._by_class[kind]
+        by_route: dict[str, list[int]] = {}
+        for b, tok in enumerate(self.opened):
+            by_route.setdefault(tok.plans[0][2][layer], []).append(b)
+        groups = {route: tuple(rows) for route, rows in by_route.items()}
+        alone = tuple(sorted(b for r, rows in groups.items() if r not in GROUP_ROUTES for b in rows))
+        slots = {route: tuple(self._slot_ids[b] for b in rows) for route, rows in groups.items()}
+        got = (groups, alone, slots)
+        if self._by_class is not None:
+            self._by_class[kind] = got
+        return got
+
     def _attend_grouped(self, layer: int, q, k, v):
         """Each route's sequences in one launch (batch_launch.py); a sequence on a pinned route, its own launches."""
         L, cfg, B = self.launcher, self.batch.cfg, len(self.seqs)
         where = f"attend layer {layer}"
-        by_route: dict[str, list[int]] = {}
-        for b, tok in enumerate(self.opened):
-            by_route.setdefault(tok.plans[0][2][layer], []).append(b)
-        alone = {b for r, rows in by_route.items() if r not in GROUP_ROUTES for b in rows}
+        groups, alone, slots = self._grouping(layer)
         shapes = {"q": (B, cfg.n_heads, cfg.head_dim), "k": (B, cfg.n_kv_heads, cfg.head_dim),
                   "v": (B, cfg.n_kv_heads, cfg.head_dim)}
         try:
@@ -420,15 +469,12 @@ class BatchToken(_BatchOpen):
                 scan, stamp = L.scan(io, B)
                 self._device_stamps[stamp] = layer
                 dispatches.append(scan)
-            for route, rows in by_route.items():
+            for route, rows in groups.items():
                 if route in GROUP_ROUTES:
-                    state, nwg_max = self._state(route, tuple(rows))
-                    dispatches += L.dispatches(route, layer, tuple(rows), tuple(self._slot_ids[b] for b in rows),
-                                               state, nwg_max, io)
+                    state, nwg_max = self._state(route, rows)
+                    dispatches += L.dispatches(route, layer, rows, slots[route], state, nwg_max, io)
             L.run(layer, dispatches)
-            for b, tok in enumerate(self.opened):
-                if b not in alone:
-                    tok.next_layer += 1
+            self.next_layer = layer + 1
             if device is None:
                 out = L.get_host(B)
             elif io[3] is not L.out:  # the reducer wrote the caller's tensor where it lies
@@ -437,7 +483,7 @@ class BatchToken(_BatchOpen):
                 out = arrays.device_out(device[0], shapes["q"])
                 if not L.get_device(out):
                     raise EngineError(f"{where}: the CUDA driver could not copy the output back")
-            for b in sorted(alone):
+            for b in alone:
                 row = self._alone(layer, b, q, k, v)
                 out[b] = (row if device is not None else arrays.to_host(f"{where} out", row)).reshape(out[b].shape)
         except EngineError as e:
@@ -455,8 +501,10 @@ class BatchToken(_BatchOpen):
 
     def _alone(self, layer: int, b: int, q, k, v):
         """Row b's layer through its own token (a pinned route): what it returns, in q's kind."""
+        tok = self.opened[b]
+        tok.next_layer = layer  # the batch keeps the order; the token's own check then holds
         try:
-            return self.opened[b].attend(layer, q[b], k[b], v[b])
+            return tok.attend(layer, q[b], k[b], v[b])
         except EngineError as e:
             e.row = b
             raise
@@ -509,6 +557,9 @@ class BatchToken(_BatchOpen):
         read first, so a refusal abandons them all before any commits."""
         if not self.is_open:
             raise EngineError("commit: this batch token is closed (committed or abandoned)")
+        missing = self._missing()
+        if missing is not None:
+            raise EngineError(f"commit: {missing}; attend the rest, or abandon() the batch token")
         if self._device_stamps:
             refused = self.launcher.refused_rows(self._first_stamp, len(self.seqs))
             if refused:
@@ -517,6 +568,9 @@ class BatchToken(_BatchOpen):
                 raise self._refused(b, EngineError(f"attend layer {self._device_stamps.get(stamp, '?')}: the device "
                                                    f"scan refused its arrays ({'; '.join(what)}; the last layer that "
                                                    f"flagged it)"))
+        if self.launcher is not None:  # each token learns the batch's layer order
+            for tok in self.opened:
+                tok.next_layer = self.next_layer
         for b, tok in enumerate(self.opened):
             try:
                 tok.check()

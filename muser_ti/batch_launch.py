@@ -74,6 +74,7 @@ class BatchLauncher:
         # table), rewritten only when their values change: a layer's graph binds the same arrays step after step
         self._arrays: dict[tuple, tuple] = {}
         self._tables: dict[tuple, tuple] = {}  # table(): the values last written, and the array
+        self._slot_tables: dict[int, tuple] = {}  # layer -> (the sequences' slots, their plane-slot table)
         # the rows a step's tokens take, kept at its open for an abandon: [sequences, layers of the class, kv, d]
         self._kept = {kind: (halves.alloc(shape), halves.alloc(shape))
                       for kind in pool.k for shape in [(B, pool.n_layers[kind], KV, D)]}
@@ -181,8 +182,13 @@ class BatchLauncher:
         ``io`` = (q, k, v, out): (kernel, args) each."""
         kind = GROUP_ROUTES[route]
         cfg, pool = self.cfg, self.pool
-        local = cfg.swa_layers.index(layer) if kind == SWA else cfg.nope_layers.index(layer)
-        slot_table = self.table(f"slots {layer}", tuple(pool.base(kind, s) + local for s in slots))
+        last = self._slot_tables.get(layer)  # the plane slots of the same sequences: no walk over the batch
+        if last is not None and last[0] == slots:
+            slot_table = last[1]
+        else:
+            local = cfg.swa_layers.index(layer) if kind == SWA else cfg.nope_layers.index(layer)
+            slot_table = self.table(f"slots {layer}", tuple(pool.base(kind, s) + local for s in slots))
+            self._slot_tables[layer] = (slots, slot_table)
         row_table = self.table(f"rows {route}", rows)
         n = len(rows)
         partials = self.partials_for(kind, nwg_max)

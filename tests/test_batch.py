@@ -380,6 +380,25 @@ def test_bad_batch_calls_are_refused_naming_what_is_wrong(arch):
             batch.join()
         t.abandon()
     assert batch.positions() == [10, 3]
+    # the step's layer order: a layer out of order abandons the step; one left out refuses the commit, and the
+    # with-block's exit then abandons it; either way every sequence is as before
+    before = {s: state(batch.sequence(s)) for s in (a, b)}
+    rows = {s: sessions[s].token() for s in (a, b)}
+    q, k, v = (np.stack([rows[s][i] for s in (a, b)]) for i in range(3))
+    with pytest.raises(EngineError, match=r"attend layer 2: out of order: layer 1 is next"):
+        with batch.token() as t:
+            t.attend(0, q[:, 0], k[:, 0], v[:, 0])
+            t.attend(2, q[:, 2], k[:, 2], v[:, 2])
+    with pytest.raises(EngineError, match=r"batch token: layers 2\.\.3 have not run \(every layer runs once, in "
+                                          r"order\); it was abandoned and every sequence is as before it"):
+        with batch.token() as t:
+            for layer in range(2):
+                t.attend(layer, q[:, layer], k[:, layer], v[:, layer])
+            with pytest.raises(EngineError, match=r"commit: layer(s)? .* not run.*attend the rest, or abandon"):
+                t.commit()
+    assert batch._open is None
+    for s in (a, b):
+        assert_same_state(state(batch.sequence(s)), before[s])
 
 
 def test_a_pool_is_sized_up_front_and_a_slot_is_reused(arch):
