@@ -199,7 +199,7 @@ batch)  # many sequences on CUDA: the batch tests (muser_ti/batch.py, transforme
   # batched step against torch's SDPA over a bf16 static cache (BATCH_SIZES, BATCH_DEPTHS, BATCH_TIMEOUT)
   timeout -s INT -k 30 ${TEST_TIMEOUT:-200} python3 -m pytest -n 0 -v -rfE -p no:cacheprovider --arch cuda \
     ${BATCH_TESTS:-tests/test_batch.py tests/test_transformers_integration.py} \
-    -k "${BATCH_K:-batch or padding or lone or join or rewind or pool or refused}" \
+    -k "${BATCH_K:-test_batch or left_padded or finish_apart or each_row_alone or batch_refusals}" \
     > "$OUT/batch-tests.log" 2>&1
   echo "== batch tests rc=$?"; grep -cE " PASSED" "$OUT/batch-tests.log" | sed 's/$/ passed/'
   grep -E "FAILED|ERROR" "$OUT/batch-tests.log" | head -20; tail -3 "$OUT/batch-tests.log"
