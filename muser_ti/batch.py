@@ -25,9 +25,9 @@ the step; so does an exception or Ctrl-C between layers.
 
 A layer goes out as one launch per route for every sequence on it (batch_launch.py: the group kernels, each
 sequence's own position, origins and split read from a per-sequence table), through Taichi's C-API on the CPU (and
-on CUDA with ``launch="capi"``: batch_compiled.py) or as one compiled graph (replay.py); a sequence on a pinned route, n tokens a sequence
-and ``Batch.of``'s engines go out as each sequence's own token (token.py).  Either way a sequence in a batch
-gives exactly the bits it gives alone.
+on CUDA with ``launch="capi"``: batch_compiled.py) or as one compiled graph (replay.py); a sequence on a pinned
+route, n tokens a sequence and ``Batch.of``'s engines go out as each sequence's own token (token.py).  Either way
+a sequence in a batch gives exactly the bits it gives alone.
 """
 
 from __future__ import annotations

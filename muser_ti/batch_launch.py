@@ -18,6 +18,7 @@ import numpy as np
 import taichi as ti
 
 from . import ladder
+from .batch_compiled import CompiledGroups
 from .config import F16_MAX, NOPE, SWA
 from .device_checks import REFUSAL_KINDS
 from .errors import EngineError
@@ -29,7 +30,6 @@ from .kernels.reducer import build_reduce
 from .kernels.stores import build_stores
 from .kernels.token_scan import TOKEN_FLAGS, build_row_scan
 from .kv_cache import LAYOUT_OF
-from .batch_compiled import CompiledGroups
 from .launch import host_view
 from .planes import visible_span, window_of
 from .replay import GraphReplay

@@ -251,13 +251,14 @@ def main(argv=None) -> int:
         return 0
     print(f"{cfg.name}: one decode step of every sequence, medians of {args.tokens} steps, alternating "
           f"({full.name}'s {full.n_layers} layers are {full.n_layers // cfg.n_layers} such groups)")
-    print(f"{'batch':>6} {'context':>8} {'launch':>7} {'engine (' + rows[0]['arch'] + ', ms)':>18} {'open+commit':>12} "
+    print(f"{'batch':>6} {'context':>8} {'launch':>7} {'engine (' + rows[0]['arch'] + ', ms)':>18} "
+          f"{'open+commit':>12} "
           f"{rows[0]['peer'] + ' (ms)':>34} {'ratio':>7} {'model':>7} {'ggml (ms)':>10}")
     for r in rows:
         cells = [f"{r[k]:.2f}" if k in r else "-"
                  for k in ("engine_ms", "engine_open_commit_ms", "peer_ms", "ratio", "model_ratio", "ggml_ms")]
-        print(f"{r['batch']:>6} {r['depth']:>8,} {r['launch']:>7} {cells[0]:>18} {cells[1]:>12} {cells[2]:>34} {cells[3]:>7} "
-              f"{cells[4]:>7} {cells[5]:>10}")
+        print(f"{r['batch']:>6} {r['depth']:>8,} {r['launch']:>7} {cells[0]:>18} {cells[1]:>12} {cells[2]:>34} "
+              f"{cells[3]:>7} {cells[4]:>7} {cells[5]:>10}")
     print(f"model: the ratio for {full.name}'s token, whose open and commit come once for its {full.n_layers} layers")
     return 0
 

@@ -206,7 +206,8 @@ batch)  # many sequences on CUDA: the batch tests (muser_ti/batch.py, transforme
   sizes=""; for b in ${BATCH_SIZES:-1 8 32 128}; do sizes="$sizes --batch $b"; done
   depths=""; for d in ${BATCH_DEPTHS:-2048 32768}; do depths="$depths --depth $d"; done
   launches=""; for l in ${BATCH_LAUNCHES:-capi python}; do launches="$launches --launch $l"; done
-  timeout ${BATCH_TIMEOUT:-300} python3 -m muser_ti.bench.batch_decode --arch cuda $sizes $depths $launches --tokens 10 \
+  timeout ${BATCH_TIMEOUT:-300} python3 -m muser_ti.bench.batch_decode --arch cuda $sizes $depths $launches \
+    --tokens 10 \
     > "$OUT/batch_decode_cuda.txt" 2> "$OUT/batch_decode_cuda.err"; echo "== batch_decode cuda rc=$?"
   cat "$OUT/batch_decode_cuda.txt"; tail -3 "$OUT/batch_decode_cuda.err";;
 
