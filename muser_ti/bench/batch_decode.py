@@ -115,6 +115,7 @@ class GgmlBatch:
     sequence, over the rows each holds."""
 
     def __init__(self, cfg, batch: int, depth: int, context: int, rng):
+        from muser_ti.bench.timing import random_halves
         from muser_ti.pinned.ggml import GgmlFlashAttn
 
         self.cfg = cfg
@@ -122,7 +123,7 @@ class GgmlBatch:
         self.planes = []
         for kind in cfg.layer_kinds:
             shape = (batch, cfg.window, KV, D) if kind == "swa" else (batch, KV, context, D)
-            self.planes.append(tuple(_random_halves(rng, shape) for _ in range(2)))
+            self.planes.append(tuple(random_halves(rng, shape) for _ in range(2)))
         self.runner = GgmlFlashAttn(D, cfg.n_heads, KV, cfg.attention_scale, os.cpu_count(), n_nodes=batch)
         self.batch, self.context, self.position = batch, context, depth
 
@@ -144,13 +145,6 @@ class GgmlBatch:
             outs.append(self.runner.attend_many(qs[layer], views).copy())
         self.position += 1
         return outs
-
-
-def _random_halves(rng, shape) -> np.ndarray:
-    """f16 values of magnitude in [1/8, 1) with random signs, from random bits (fast at 10**8 values)."""
-    bits = rng.integers(0x3000, 0x3C00, size=shape, dtype=np.uint16)
-    bits |= rng.integers(0, 2, size=shape, dtype=np.uint16) << 15
-    return bits.view(np.float16)
 
 
 SIDES = ("both", "engine", "peer", "ggml")

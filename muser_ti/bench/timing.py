@@ -9,6 +9,9 @@ same way.  Three ways live here:
 * a dispatch list's device time from graph replays (``graph_repeat_us``), where there is no CUPTI
   (Vulkan): K and 3K replays, the difference over 2K, so a run's fixed costs cancel.
 
+Beside them, ``random_halves``: the f16 K/V the peers' caches are filled with (the CPU bench's and the batch
+bench's ggml sides).
+
 Nothing here imports the lab; the lab imports this.
 """
 
@@ -21,6 +24,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 TIMELINE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "cuda_driver", "cuda_runtime")
 GRAPH_REPLAYS = 8  # K of graph_repeat_us: K and 3K pairs a graph
@@ -218,5 +223,14 @@ def copy_bandwidth_gb_s(torch, n_bytes=4 << 30) -> float:
     return 2 * n_bytes / statistics.median(times) / 1e9
 
 
+
+
+def random_halves(rng, shape) -> np.ndarray:
+    """f16 values of magnitude in [1/8, 1) with random signs, made from random bits (fast at 10**8 values)."""
+    bits = rng.integers(0x3000, 0x3C00, size=shape, dtype=np.uint16)
+    bits |= rng.integers(0, 2, size=shape, dtype=np.uint16) << 15
+    return bits.view(np.float16)
+
+
 __all__ = ["GRAPH_REPLAYS", "copy_bandwidth_gb_s", "cupti_busy", "graph_repeat_us", "intervals_union", "machine",
-           "median_time", "profile_calls", "recorded_dispatches", "summarize_trace"]
+           "median_time", "profile_calls", "random_halves", "recorded_dispatches", "summarize_trace"]

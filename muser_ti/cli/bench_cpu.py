@@ -37,7 +37,7 @@ import numpy as np
 
 import muser_ti as mt
 from muser_ti.bench import fma_peak, native_ggml
-from muser_ti.bench.timing import child_env, machine, median_time
+from muser_ti.bench.timing import child_env, machine, median_time, random_halves
 
 from .bench_common import finish, layer_geometry, prefill, timed_step
 
@@ -72,12 +72,6 @@ def time_ours(base: mt.Geometry, case: str, repeats: int, arch: str = "cpu") -> 
     prefill(eng, depth - 1, rng)
     seconds, _ = timed_step(eng, rng, repeats)
     return seconds
-
-
-def random_halves(rng, shape) -> np.ndarray:
-    """f16 values of magnitude in [1/8, 1) with random signs, made from random bits (fast at 10**8 values)."""
-    bits = rng.integers(0x3000, 0x3C00, size=shape, dtype=np.uint16) | (rng.integers(0, 2, size=shape, dtype=np.uint16) << 15)
-    return bits.view(np.float16)
 
 
 def time_ggml(base: mt.Geometry, case: str, repeats: int) -> float:
