@@ -18,8 +18,8 @@ from .device_checks import DeviceChecks
 from .errors import EngineError
 from .kernels.common import MAX_WORKGROUPS, on_gpu
 from .kernels.interleaved import build_interleaved
-from .kernels.split_geometry import (cpu_split_geometry, gpu_items_cap, gpu_split_geometry, gpu_target_workgroups,
-                                     gpu_workgroups_per_pair)
+from .kernels.split_geometry import (cpu_serial, cpu_split_geometry, gpu_items_cap, gpu_split_geometry,
+                                     gpu_target_workgroups, gpu_workgroups_per_pair)
 from .kernels.splitk import build_splitk
 from .kernels.one_dispatch import ONE_DISPATCH_ARCHS, build_step_kernel
 from .kernels.reducer import build_reduce
@@ -49,6 +49,10 @@ class Launcher:
         # one layer's merge (a per-layer token) on the CPU: the same reducers on one thread (kernels/reducer.py)
         self.reduce_one = {} if gpu else {red: build_reduce(D, H, False, ti.f32, serial=True)
                                           for red in (self.reduce_f32, self.reduce_v2)}
+        # and its producer at short context, where waking the thread pool costs more than a core's arithmetic
+        # (split_geometry.cpu_serial); compiled on first use
+        self.producer_one = {} if gpu else {self.splitk: build_splitk(D, G, KV, H, False, serial=True)[0],
+                                            self.interleaved: build_interleaved(D, G, KV, H, False, serial=True)[0]}
         # (class, group size) -> [n_group, H, workgroups, 2 + D] scratch: one per class, as the one-dispatch
         # step runs both producers before either reducer
         self._partials: dict[tuple[str, int], object] = {}
@@ -90,6 +94,10 @@ class Launcher:
         if self.gpu:
             return gpu_split_geometry(visible, n_group * self.cfg.n_kv_heads, self.target)
         return cpu_split_geometry(visible, n_group * self.cfg.n_kv_heads)
+
+    def serial_layer(self, visible: int) -> bool:
+        """Whether one layer's producer runs on the launching thread (the CPU at short context: cpu_serial)."""
+        return not self.gpu and cpu_serial(visible, self.cfg.n_kv_heads)
 
     def partials_for(self, kind: str, n_group: int, nwg: int):
         """Partials scratch for a group, grown (to a power of two workgroups) when a launch needs more."""
@@ -235,9 +243,13 @@ class Launcher:
         _, visible = visible_span(self.cfg, kind, p)
         nwg, nsg = self.split_geometry(visible, route_sizes[route])
         partials = self.partials_for(kind, 1, nwg)
-        dispatches.append((producer, (q1, k1, v1, cache.k[kind], cache.v[kind], partials, self._no_visits,
-                                      grp.layers_dev, grp.slots_dev, 1, p, window_of(self.cfg, kind), st.capacity,
-                                      st.origin_logical, st.origin_physical, nwg, nsg, self.cfg.attention_scale)))
+        args = (q1, k1, v1, cache.k[kind], cache.v[kind], partials, self._no_visits, grp.layers_dev, grp.slots_dev, 1,
+                p, window_of(self.cfg, kind), st.capacity, st.origin_logical, st.origin_physical, nwg, nsg,
+                self.cfg.attention_scale)
+        if self.serial_layer(visible):  # every item on this thread: first 0, stride 1
+            dispatches.append((self.producer_one[producer], args + (0, 1)))
+        else:
+            dispatches.append((producer, args))
         dispatches.append((self.reduce_one.get(reduce, reduce), (partials, out1, grp.layers_dev, 1, nwg)))
         self.launches += len(dispatches)
         if isinstance(q1, ti.Ndarray) and isinstance(out1, ti.Ndarray):

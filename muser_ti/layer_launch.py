@@ -30,6 +30,8 @@ split geometry (launch.Launcher.split_geometry); tests/test_layer_launch.py hold
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
 import warnings
 import weakref
 
@@ -46,6 +48,10 @@ from .planes import visible_span, window_of
 
 LAUNCH_PATHS = ("auto", "capi", "python")
 MAX_IMPORTED = 4096  # distinct caller addresses imported on CUDA before copies take over (capi.Runtime says why)
+# A layer's producer has n_kv_heads x nwg work items at the split step() gives it: 2 to 4 for Glimmer (2 KV heads,
+# at most 2 workgroups a pair at 13 layers a launch), so more threads than 4 would find nothing to do.
+MAX_PRODUCER_THREADS = 4
+PRODUCER_ARGS = 20  # the serial producer's arguments: the producer's 18, then first and stride
 
 
 class ScanRefused(Exception):
@@ -121,6 +127,14 @@ class CompiledLayers:
         self._launch = self._lib.ti_launch_kernel
         self._handle = self.rt.handle
         self._stream_fence = _StreamFence() if self.arch == "cuda" else None
+        # the CPU's producer on threads of its own at depth (ProducerLanes); None on CUDA or a 1-core machine
+        self.lanes = producer_lanes(self.arch) if not self.gpu else None
+        self._lane_kernels = []
+        if self.lanes is not None:
+            for lane in self.lanes.lanes:
+                lane_module = lane.rt.load_module(path)
+                self._lane_kernels.append({name: lane.rt.kernel(lane_module, name + "_serial")
+                                           for name in ("splitk", "interleaved")})
         # the CPU's launches return when their kernel has run: the flags' summary is read at once, so a refused
         # layer writes nothing and its refusal names the value (the host checks its arrays only then)
         self._summary = None if self.gpu else host_view(launcher.checks.flags)[:TOKEN_FLAGS]
@@ -148,6 +162,10 @@ class CompiledLayers:
                    "reduce_splitk": (reduce_splitk, ("reduce_f32", geometry)),
                    "interleaved": (launcher.interleaved, ("interleaved", geometry)),
                    "reduce_interleaved": (reduce_interleaved, ("reduce_v2", geometry))}
+        if not gpu:  # a layer's producer at short context, on the launching thread (Launcher.serial_layer)
+            kernels["splitk_serial"] = (launcher.producer_one[launcher.splitk], ("splitk_serial", geometry))
+            kernels["interleaved_serial"] = (launcher.producer_one[launcher.interleaved],
+                                             ("interleaved_serial", geometry))
         if SWA in launcher.cache.planes:
             kernels["store"] = (launcher.cache.stores[SWA].store_token, ("store_token", geometry))
         return kernels
@@ -163,8 +181,11 @@ class CompiledLayers:
         kind = cfg.layer_kinds[layer]
         grp = cache.token_group(layer)
         imp = self.imported
-        a = {"scan": capi.arguments(5), "store": capi.arguments(8), "producer": capi.arguments(18),
-             "reduce": capi.arguments(5), "kind": kind, "plane": None, "partials": None, "io": None}
+        a = {"scan": capi.arguments(5), "store": capi.arguments(8), "producer": capi.arguments(PRODUCER_ARGS),
+             "reduce": capi.arguments(5), "kind": kind, "plane": None, "partials": None, "io": None,
+             # the producer's arrays (the CPU's: q, k, v staged), for the lanes' own imports; their arguments
+             "objs": [*self.staging[:3], None, None, None, launcher._no_visits, grp.layers_dev, grp.slots_dev],
+             "lanes": {}}
         flags, layers_mem, slots_mem = imp(launcher.checks.flags), imp(grp.layers_dev), imp(grp.slots_dev)
         capi.set_ndarray(a["scan"][3], *flags)
         p = a["producer"]
@@ -216,6 +237,7 @@ class CompiledLayers:
             capi.set_ndarray(a["store"][2], *km)
             capi.set_ndarray(a["store"][3], *vm)
             a["plane"] = planes
+            a["objs"][3:5] = planes
         _, visible = visible_span(self.cfg, kind, p)
         nwg, nsg = launcher.split_geometry(visible, route_sizes[route])
         partials = launcher.partials_for(kind, 1, nwg)
@@ -224,6 +246,7 @@ class CompiledLayers:
             capi.set_ndarray(a["producer"][5], *pm)
             capi.set_ndarray(a["reduce"][0], *pm)
             a["partials"] = partials
+            a["objs"][5] = partials
         pr = a["producer"]
         pr[10].value.i32 = p
         pr[12].value.i32 = st.capacity
@@ -243,16 +266,62 @@ class CompiledLayers:
         if route == ladder.SPLITK:
             a["store"][7].value.i32 = st.physical(p)
             launch(rt, k["store"], 8, a["store"])
-            launch(rt, k["splitk"], 18, pr)
+            self._produce(a, "splitk", visible, self.cfg.n_kv_heads * nwg)
             launch(rt, k["reduce_splitk"], 5, a["reduce"])
             n = 4
         else:
-            launch(rt, k["interleaved"], 18, pr)
+            self._produce(a, "interleaved", visible, self.cfg.n_kv_heads * nwg)
             launch(rt, k["reduce_interleaved"], 5, a["reduce"])
             n = 3
         if fence is not None:
             fence.after()
         return n
+
+    def _produce(self, a: dict, route: str, visible: int, items: int) -> None:
+        """The layer's producer launch (``route``: "splitk" | "interleaved") over its ``items`` work items.  On a GPU
+        and a 1-core CPU: Taichi's parallel kernel.  On the CPU at short context: the serial kernel on this thread
+        (Launcher.serial_layer).  Deeper, with lanes: the serial kernel on this thread and each lane, items dealt
+        round-robin (thread i takes items i, i + threads, ...), every item the same work as in the parallel kernel."""
+        pr, launch, rt = a["producer"], self._launch, self._handle
+        serial = not self.gpu and self.launcher.serial_layer(visible)
+        if not serial and (self.lanes is None or items < 2):
+            launch(rt, self.k[route], 18, pr)
+            return
+        threads = 1 if serial else min(items, 1 + len(self.lanes.lanes))
+        pr[18].value.i32 = 0
+        pr[19].value.i32 = threads
+        if threads == 1:
+            launch(rt, self.k[route + "_serial"], PRODUCER_ARGS, pr)
+            return
+        with self.lanes.lock:
+            started = []
+            try:
+                for i in range(1, threads):
+                    lane = self.lanes.lanes[i - 1]
+                    args = self._lane_args(a, i - 1, lane)
+                    args[18].value.i32 = i
+                    args[19].value.i32 = threads
+                    lane.start(self._lane_kernels[i - 1][route], args)
+                    started.append(lane)
+                launch(rt, self.k[route + "_serial"], PRODUCER_ARGS, pr)
+            finally:  # every lane done before the layer goes on (or is abandoned): they write its plane row too
+                for lane in started:
+                    lane.join()
+
+    def _lane_args(self, a: dict, i: int, lane) -> ctypes.Array:
+        """Lane i's producer arguments for the layer of ``a``: its own imports of the layer's arrays (a runtime's
+        memory is its own), the scalars copied from this thread's."""
+        held = a["lanes"].get(i)
+        if held is None:
+            held = a["lanes"][i] = (capi.arguments(PRODUCER_ARGS), [None] * len(a["objs"]))
+        args, seen = held
+        for j, obj in enumerate(a["objs"]):
+            if seen[j] is not obj:
+                capi.set_ndarray(args[j], *lane.imported(obj))
+                seen[j] = obj
+        size = ctypes.sizeof(capi.Argument)
+        ctypes.memmove(ctypes.addressof(args) + 9 * size, ctypes.addressof(a["producer"]) + 9 * size, 9 * size)
+        return args
 
     # ---- the caller's arrays -----------------------------------------------------------------------
     def staged(self) -> tuple:
@@ -345,6 +414,67 @@ class _StreamFence:
         if self._stream:
             self._record(self._events[1], None)
             self._wait(self._stream, self._events[1], 0)
+
+
+class _Lane:
+    """A thread of the CPU producer's besides the caller's, with a C-API runtime of its own (no runtime is shared
+    between threads): it runs the launch it is handed and says when it is done."""
+
+    def __init__(self, arch: str, index: int):
+        self.rt = capi.Runtime(arch)
+        self.imported = _Imported(self.rt)
+        self._go, self._done = threading.Lock(), threading.Lock()
+        self._go.acquire()
+        self._done.acquire()
+        self._job = None
+        threading.Thread(target=self._serve, name=f"muser-ti producer lane {index}", daemon=True).start()
+
+    def _serve(self) -> None:
+        launch = capi.library().ti_launch_kernel
+        while True:
+            self._go.acquire()
+            kernel, args = self._job
+            launch(self.rt.handle, kernel, PRODUCER_ARGS, args)  # ctypes lets the GIL go for the call
+            self._done.release()
+
+    def start(self, kernel: int, args) -> None:
+        self._job = (kernel, args)
+        self._go.release()
+
+    def join(self) -> None:
+        """Wait for the launch; a Ctrl-C meanwhile is raised once the lane is done, not before."""
+        interrupted = False
+        while True:
+            try:
+                self._done.acquire()
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+        if interrupted:
+            raise KeyboardInterrupt
+
+
+class ProducerLanes:
+    """The process's extra producer threads on the CPU: cores - 1 of them, at most MAX_PRODUCER_THREADS - 1.
+    Taichi's own thread pool wakes its workers late on a 2-core VM: a layer's two work items of a millisecond each
+    ran one after the other (docs/PERF.md, "CPU launches"); a thread that is handed its launch while the caller runs
+    its own half starts at once."""
+
+    def __init__(self, arch: str, n: int):
+        self.lanes = [_Lane(arch, i) for i in range(n)]
+        self.lock = threading.Lock()  # one layer's launch at a time (engines driven from several threads)
+
+
+_LANES: dict[str, ProducerLanes | None] = {}
+
+
+def producer_lanes(arch: str) -> ProducerLanes | None:
+    """The process's ProducerLanes on ``arch`` (made on first use), or None where there is one core."""
+    if arch not in _LANES:
+        n = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+                MAX_PRODUCER_THREADS) - 1
+        _LANES[arch] = ProducerLanes(arch, n) if n > 0 else None
+    return _LANES[arch]
 
 
 def take_compiled(path: str, what: str, build, auto_on_cuda: bool = False):

@@ -79,6 +79,44 @@ def test_compiled_and_python_launches_give_the_same_bits(compiled_arch, kind, n)
     assert compiled.route_counts == python.route_counts
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_layers_producer_on_one_thread_on_lanes_and_on_taichis_pool_gives_steps_bits(compiled_arch, n,
+                                                                                       monkeypatch):
+    """The CPU runs a layer's producer on the calling thread at short context, then (past CPU_SERIAL_ROWS, lowered
+    here so the run crosses it) on the calling thread and its lanes, items dealt round-robin, or on Taichi's pool
+    where there are no lanes: every way gives step()'s bits, through the rings' wrap and the NoPE plane's growth."""
+    if compiled_arch != "cpu":
+        pytest.skip("the serial producer and its lanes are the CPU's")
+    from muser_ti.kernels import split_geometry
+
+    monkeypatch.setattr(split_geometry, "CPU_SERIAL_ROWS", 100)  # serial up to 50 visible rows a layer (2 KV heads)
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    compiled = mt.Engine(cfg, arch="cpu", launch="capi")
+    python = mt.Engine(cfg, arch="cpu", launch="python")
+    stepper = mt.Engine(cfg, arch="cpu")
+    s = Session(compiled, seed=5)
+    k, v = s.rows(30)
+    for eng in (compiled, python, stepper):
+        eng.prefill(k, v)
+    layers = compiled.launcher.compiled_layers()
+    lanes = layers.lanes
+    assert lanes is not None, "a 2-core machine has one producer lane"
+    ways = set()
+    for i in range(60 // n):
+        layers.lanes = lanes if i % 4 else None  # every fourth token on Taichi's pool
+        tokens = [s.token() for _ in range(n)]
+        q, k, v = (np.stack([tok[j] for tok in tokens]) for j in range(3))
+        ways.add("serial" if compiled.launcher.serial_layer(compiled.position + 1) else
+                 "lanes" if layers.lanes is not None else "pool")
+        got = _attend_all(compiled, q, k, v, n, lambda a: a)
+        np.testing.assert_array_equal(got, _attend_all(python, q, k, v, n, lambda a: a))
+        want = np.stack([np.asarray(stepper.step(q[j], k[j], v[j])) for j in range(n)])
+        np.testing.assert_array_equal(got, want)
+    assert ways == {"serial", "lanes", "pool"}
+    assert compiled.plane_state(3).capacity == 128 and compiled.plane_state(0).is_wrapped
+    assert_same_state(state(compiled), state(stepper))
+
+
 def test_new_arrays_every_token_import_nothing_new(compiled_arch):
     """The caller's arrays go through the layer's staging arrays (CPU): a fresh array every call imports nothing
     into the C-API runtime, whose imports Taichi 1.7.4 cannot free."""

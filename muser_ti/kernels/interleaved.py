@@ -16,12 +16,13 @@ from .producer import build_producer, plan_key
 
 
 def build_interleaved(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int, gpu: bool, record: bool = False,
-                      items_cap: int = 0, layers_cap: int = 0):
-    """(producer, reduce_v2) for the head-major plane; the caps as build_splitk's."""
+                      items_cap: int = 0, layers_cap: int = 0, serial: bool = False):
+    """(producer, reduce_v2) for the head-major plane; the caps and serial as build_splitk's."""
     producer = cached(
-        ("interleaved", head_dim, heads_per_kv, n_kv, gpu, record, plan_key(head_dim, heads_per_kv, gpu), items_cap),
+        ("interleaved", head_dim, heads_per_kv, n_kv, gpu, record, plan_key(head_dim, heads_per_kv, gpu), items_cap,
+         serial),
         lambda: build_producer(head_dim, heads_per_kv, n_kv, gpu, HEAD_MAJOR, bypass=True, record=record,
-                               items_cap=items_cap),
+                               items_cap=items_cap, serial=serial),
     )
     # reduce_v2: the LSE merge with precise exp, f32 output.
     return producer, build_reduce(head_dim, n_heads, gpu, ti.f32, layers_cap)

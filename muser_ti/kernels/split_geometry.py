@@ -42,6 +42,18 @@ def cpu_split_geometry(visible: int, n_pairs: int) -> tuple[int, int]:
     return max(1, min(nwg, -(-CPU_TARGET_ITEMS // max(n_pairs, 1)))), nsg
 
 
+# Handing a launch's items to more threads costs their wake-up: 60-100 us on the 2-core VM, through Taichi's pool
+# or the compiled path's lanes alike (docs/PERF.md, "CPU launches"), about what one core takes for ~250 of a work
+# item's rows.  A launch with at most CPU_SERIAL_ROWS rows in all (one layer's at short context) runs its items on
+# the launching thread: the same items, the same bits.
+CPU_SERIAL_ROWS = 512
+
+
+def cpu_serial(visible: int, n_pairs: int) -> bool:
+    """Whether a CPU producer launch over ``n_pairs`` (layer, KV head) pairs of ``visible`` rows runs serially."""
+    return visible * n_pairs <= CPU_SERIAL_ROWS
+
+
 # On a GPU the chapter's cap leaves most of the card idle for a single deep layer (2 KV heads x 32
 # workgroups = 64 workgroups on 132 SMs: 2.45x the time at 131,072 keys).  The GPU path keeps the chapter's
 # nsg rule and block ownership but sizes nwg so that one launch is one wave of resident workgroups, 2 an SM

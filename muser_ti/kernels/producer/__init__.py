@@ -102,7 +102,7 @@ def addressing(layout: str, n_kv: int):
 
 
 def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layout: str, bypass: bool, record: bool,
-                   items_cap: int = 0, per_group: bool = False):
+                   items_cap: int = 0, per_group: bool = False, serial: bool = False):
     """Compile-time specialised producer kernel.
 
     layout: TOKEN_MAJOR (ring, addressed through origins) or HEAD_MAJOR (growing plane).
@@ -111,6 +111,7 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
     items_cap: on a GPU, the most work items a launch may have, compiled in as the loop's bound
     (producer_kernel); 0: the bound is computed from the arguments.
     per_group: every group its own position, origins and split (a batch's sequences: group_producer_kernel).
+    serial (CPU): the work items on the launching thread (serial_producer_kernel).
     """
     at = addressing(layout, n_kv)
     if gpu:
@@ -119,7 +120,9 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
             return group_producer_kernel(n_kv, gpu=(plan, plan_work(plan, bypass, record, at, fused_store=bypass)))
         return build_gpu_producer(plan, n_kv, bypass, record, at, items_cap)
     cpu_item = cpu_item_work(head_dim, heads_per_kv, n_kv, bypass, record, at)
-    return group_producer_kernel(n_kv, cpu_item=cpu_item) if per_group else producer_kernel(n_kv, cpu_item=cpu_item)
+    if per_group:
+        return group_producer_kernel(n_kv, cpu_item=cpu_item)
+    return serial_producer_kernel(cpu_item, n_kv) if serial else producer_kernel(n_kv, cpu_item=cpu_item)
 
 
 def build_gpu_producer(plan, n_kv: int, bypass: bool, record: bool, at, items_cap: int = 0):
@@ -204,6 +207,29 @@ def producer_kernel(n_kv: int, cpu_item=None, gpu=None, items_cap: int = 0):
     return producer
 
 
+def serial_producer_kernel(cpu_item, n_kv: int):
+    """The CPU producer without Taichi's thread pool: the launch's items first, first + stride, ... one after
+    another on the launching thread, each the same work as in producer_kernel (so the same bits).  One layer's
+    launch at short context runs them all on one thread (first 0, stride 1: split_geometry.cpu_serial); deeper,
+    the compiled path runs one launch a thread on threads of its own (layer_launch.ProducerLanes), since Taichi's
+    pool wakes its workers late on a 2-core VM (docs/PERF.md, "CPU launches")."""
+
+    @ti.kernel
+    def serial_producer(
+        q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, k_plane: packed_plane, v_plane: packed_plane,
+        partials: f32_4d, visits: i32_2d,
+        layers: i32_1d, slots: i32_1d, n_group: ti.i32,
+        position: ti.i32, window: ti.i32, capacity: ti.i32, origin_logical: ti.i32, origin_physical: ti.i32,
+        nwg: ti.i32, nsg: ti.i32, scale: ti.f32, first: ti.i32, stride: ti.i32,
+    ):
+        ti.loop_config(serialize=True)
+        for j in range((n_group * n_kv * nwg - first + stride - 1) // stride):
+            cpu_item(first + j * stride, q, k_cur, v_cur, k_plane, v_plane, partials, visits, layers, slots,
+                     position, window, capacity, origin_logical, origin_physical, nwg, nsg, scale)
+
+    return serial_producer
+
+
 def group_producer_kernel(n_kv: int, cpu_item=None, gpu=None):
     """The producer over groups that each have their own position, origins and split: a batch's sequences, group
     g being sequence g (its activations row ``layers[g]``, its plane slot ``slots[g]``, its values in
@@ -277,6 +303,7 @@ def gpu_work(head_dim: int, heads_per_kv: int, n_kv: int, layout: str, bypass: b
     return work, plan
 
 
-__all__ = ["build_producer", "build_gpu_producer", "group_producer_kernel", "addressing", "active_tile_plan", "describe_plans", "gpu_work",
-           "plan_key", "plan_shared", "plan_work", "producer_kernel", "tile_plan",
+__all__ = ["build_producer", "build_gpu_producer", "group_producer_kernel", "addressing", "active_tile_plan",
+           "describe_plans", "gpu_work", "plan_key", "plan_shared", "plan_work", "producer_kernel",
+           "serial_producer_kernel", "tile_plan",
            "TOKEN_MAJOR", "HEAD_MAJOR"]
