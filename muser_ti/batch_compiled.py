@@ -23,7 +23,7 @@ from __future__ import annotations
 import taichi as ti
 
 from . import aot, backend, capi
-from .layer_launch import MAX_IMPORTED, _Imported, _StreamFence, runtime, take_compiled
+from .layer_launch import MAX_IMPORTED, _Imported, _StreamFence, producer_lanes, runtime, take_compiled
 
 _UNSET = object()
 # "auto" on CUDA: Taichi's Python path, where every CUDA figure of the batch so far ran (one engine's rule too);
@@ -35,7 +35,7 @@ AUTO_ON_CUDA = False
 class CompiledGroups:
     """A batch launcher's group kernels through Taichi's C-API (CPU, CUDA).  Build with :meth:`create`."""
 
-    def __init__(self, kernels: dict[str, tuple]):
+    def __init__(self, kernels: dict[str, tuple], spread: dict | None = None):
         arch = backend.active()
         self.rt = runtime(arch)
         path, self.compiled_now = aot.module_dir(arch, kernels)
@@ -47,13 +47,24 @@ class CompiledGroups:
         self._args: dict[tuple, tuple] = {}
         self._launch = capi.library().ti_launch_kernel
         self._fence = _StreamFence() if arch == "cuda" else None
+        # kernels whose items go to this thread and the lanes (the CPU's producers: layer_launch.ProducerLanes):
+        # id(parallel kernel) -> (this runtime's serial kernel, each lane's, the launch's items from its arguments)
+        self.lanes = producer_lanes(arch) if arch == "cpu" and spread else None
+        self._spread = {}
+        if self.lanes is not None:
+            lane_modules = [lane.rt.load_module(path) for lane in self.lanes.lanes]
+            for fn_id, (serial, items_of) in spread.items():
+                self._spread[fn_id] = (self.rt.kernel(module, serial),
+                                       [lane.rt.kernel(m, serial) for lane, m in zip(self.lanes.lanes, lane_modules)],
+                                       items_of)
 
     @classmethod
-    def create(cls, kernels: dict[str, tuple], path: str) -> "CompiledGroups | None":
+    def create(cls, kernels: dict[str, tuple], path: str, spread: dict | None = None) -> "CompiledGroups | None":
         """The compiled path where ``path`` ("auto" | "capi" | "python") asks for it and the C-API works here; None
         for Taichi's Python path: one engine's rule (layer_launch.take_compiled), "auto" on CUDA as AUTO_ON_CUDA
-        says."""
-        return take_compiled(path, "a batch's layers", lambda: cls(kernels), AUTO_ON_CUDA)
+        says.  ``spread``: id(parallel kernel) -> (the name of its serial variant, which takes two more arguments,
+        first and stride; its items as a function of its arguments), for the CPU's lanes."""
+        return take_compiled(path, "a batch's layers", lambda: cls(kernels, spread), AUTO_ON_CUDA)
 
     def can_import(self) -> bool:
         """Whether a caller's device tensors are still imported where they lie (layer_launch.MAX_IMPORTED)."""
@@ -67,34 +78,69 @@ class CompiledGroups:
             fence.before()
         launch, handle = self._launch, self.rt.handle
         for j, (kernel, args) in enumerate(dispatches):
-            entry = self._args.get((key, j, id(kernel)))
-            if entry is None:
-                entry = self._args[key, j, id(kernel)] = (capi.arguments(len(args)), [_UNSET] * len(args))
-            packed, held = entry
-            for i, a in enumerate(args):
-                h = held[i]
-                if h is a:
-                    continue
-                kind = type(a)
-                if kind is int:
-                    if type(h) is not int or h != a:
-                        capi.set_i32(packed[i], a)
-                        held[i] = a
-                elif kind is float:
-                    if type(h) is not float or h != a:
-                        capi.set_f32(packed[i], a)
-                        held[i] = a
-                elif isinstance(a, ti.Ndarray):
-                    capi.set_ndarray(packed[i], *self.imported(a))
-                    held[i] = a
-                else:  # a torch CUDA tensor, float32 and contiguous: by address, never held (its memory is torch's)
-                    where = (a.data_ptr(), tuple(a.shape))
-                    if h != where:
-                        capi.set_ndarray(packed[i], self.rt.memory(where[0], a.numel() * 4), where[1], "f32")
-                        held[i] = where
+            spread = self._spread.get(id(kernel))
+            if spread is not None and spread[2](args) > 1:
+                self._run_spread(key, j, spread, args)
+                continue
+            packed = self._packed((key, j, id(kernel)), args, len(args), self.imported, self.rt)
             launch(handle, self._handles[id(kernel)], len(args), packed)
         if fence is not None:
             fence.after()
+
+    def _packed(self, where: tuple, args, n: int, imported, rt):
+        """The argument array kept for ``where`` (n slots, at least len(args)), patched to ``args`` where an argument
+        changed; ``imported`` and ``rt``: the runtime the array is for (the process's, or a lane's)."""
+        entry = self._args.get(where)
+        if entry is None:
+            entry = self._args[where] = (capi.arguments(n), [_UNSET] * len(args))
+        packed, held = entry
+        for i, a in enumerate(args):
+            h = held[i]
+            if h is a:
+                continue
+            kind = type(a)
+            if kind is int:
+                if type(h) is not int or h != a:
+                    capi.set_i32(packed[i], a)
+                    held[i] = a
+            elif kind is float:
+                if type(h) is not float or h != a:
+                    capi.set_f32(packed[i], a)
+                    held[i] = a
+            elif isinstance(a, ti.Ndarray):
+                capi.set_ndarray(packed[i], *imported(a))
+                held[i] = a
+            else:  # a torch CUDA tensor, float32 and contiguous: by address, never held (its memory is torch's)
+                where_ = (a.data_ptr(), tuple(a.shape))
+                if h != where_:
+                    capi.set_ndarray(packed[i], rt.memory(where_[0], a.numel() * 4), where_[1], "f32")
+                    held[i] = where_
+        return packed
+
+    def _run_spread(self, key, j: int, spread: tuple, args) -> None:
+        """A producer's items dealt round-robin to this thread and the lanes, each running the serial kernel on
+        items i, i + threads, ... (the same work per item as the parallel kernel: the same bits)."""
+        kernel, lane_kernels, items_of = spread
+        lanes = self.lanes.lanes
+        threads = min(items_of(args), 1 + len(lanes))
+        n = len(args) + 2
+        with self.lanes.lock:
+            started = []
+            try:
+                for i in range(1, threads):
+                    lane = lanes[i - 1]
+                    packed = self._packed((key, j, kernel, i), args, n, lane.imported, lane.rt)
+                    capi.set_i32(packed[n - 2], i)
+                    capi.set_i32(packed[n - 1], threads)
+                    lane.start(lane_kernels[i - 1], packed)
+                    started.append(lane)
+                packed = self._packed((key, j, kernel, 0), args, n, self.imported, self.rt)
+                capi.set_i32(packed[n - 2], 0)
+                capi.set_i32(packed[n - 1], threads)
+                self._launch(self.rt.handle, kernel, n, packed)
+            finally:  # every lane done before the step goes on, or is abandoned: they write the planes too
+                for lane in started:
+                    lane.join()
 
 
 __all__ = ["CompiledGroups"]

@@ -39,14 +39,15 @@ GROUP_ROUTES = {ladder.SPLITK: SWA, ladder.INTERLEAVED: NOPE}  # the routes a gr
 AXES = ("head", "d")
 
 
-def group_producers(cfg, gpu: bool) -> dict:
-    """The per-group producers of both routes (kernels/producer.group_producer_kernel), built once a geometry."""
+def group_producers(cfg, gpu: bool, serial: bool = False) -> dict:
+    """The per-group producers of both routes (kernels/producer.group_producer_kernel), built once a geometry;
+    serial (CPU): their variants that run items first, first + stride, ... on the launching thread."""
     D, G, KV = cfg.head_dim, cfg.heads_per_kv, cfg.n_kv_heads
     out = {}
     for route, layout, bypass in ((ladder.SPLITK, TOKEN_MAJOR, False), (ladder.INTERLEAVED, HEAD_MAJOR, True)):
-        out[route] = cached(("group_producer", layout, D, G, KV, gpu, plan_key(D, G, gpu)),
+        out[route] = cached(("group_producer", layout, D, G, KV, gpu, plan_key(D, G, gpu), serial),
                             lambda layout=layout, bypass=bypass: build_producer(D, G, KV, gpu, layout, bypass, False,
-                                                                                per_group=True))
+                                                                                per_group=True, serial=serial))
     return out
 
 
@@ -58,6 +59,8 @@ class BatchLauncher:
         self.gpu = gpu = on_gpu()
         D, KV, H, B = cfg.head_dim, cfg.n_kv_heads, cfg.n_heads, pool.slots
         self.producers = group_producers(cfg, gpu)
+        # the CPU's compiled path deals a producer's items to the calling thread and its lanes (layer_launch.py)
+        self.serial_producers = {} if gpu else group_producers(cfg, gpu, serial=True)
         self.reduce = build_reduce(D, H, gpu, ti.f32, per_group=True)
         self.stores = {kind: build_stores(D, KV, LAYOUT_OF[kind]) for kind in pool.k}
         self.row_scan = build_row_scan(H, KV, D)
@@ -146,7 +149,11 @@ class BatchLauncher:
     def compiled(self) -> CompiledGroups | None:
         """The group kernels through Taichi's C-API where the launch path takes it (batch_compiled.py), else None."""
         if self._compiled is False:
-            self._compiled = CompiledGroups.create(self.aot_kernels(), self.launch_path)
+            KV = self.cfg.n_kv_heads
+            # a group producer's items: n_group x KV x nwg_max (its arguments 9 and 13)
+            spread = {id(self.producers[route]): (f"producer_{route}_serial", lambda args: args[9] * KV * args[13])
+                      for route in self.serial_producers}
+            self._compiled = CompiledGroups.create(self.aot_kernels(), self.launch_path, spread)
         return self._compiled
 
     def aot_kernels(self) -> dict[str, tuple]:
@@ -159,6 +166,8 @@ class BatchLauncher:
                    "producer_interleaved": (self.producers[ladder.INTERLEAVED],
                                             ("group_producer", HEAD_MAJOR, geometry)),
                    "reduce": (self.reduce, ("reduce_groups", geometry))}
+        for route, serial in self.serial_producers.items():
+            kernels[f"producer_{route}_serial"] = (serial, ("serial_group_producer", route, geometry))
         if SWA in self.stores:
             kernels["store"] = (self.stores[SWA].store_group, ("store_group", geometry))
         for kind, stores in self.stores.items():  # a step's rows kept at its open, put back on abandon

@@ -14,6 +14,11 @@ Taichi 1.7.4 cannot free an imported CPU allocation.  On CUDA a float32 contiguo
 lies (a framework's caching allocator hands out the same few addresses token after token) up to
 ``MAX_IMPORTED`` addresses, then copied into the staging arrays on the device.
 
+The producer on the CPU: at short context a serial kernel on the calling thread (split_geometry.cpu_serial); deeper,
+the same serial kernel on the calling thread and on ProducerLanes (threads of the engine's own, each with a C-API
+runtime of its own), the layer's work items dealt round-robin, since Taichi's thread pool wakes its workers late on
+a small VM.  Without lanes (one core) Taichi's parallel kernel.  Each item is the same code every way: the same bits.
+
 Checks: the token scan runs as the layer's first kernel and writes its flags; the host reads them once, when
 the token commits (token.py), and a flagged layer abandons the token, which undoes every write it made.
 
@@ -434,10 +439,11 @@ class _Lane:
         while True:
             self._go.acquire()
             kernel, args = self._job
-            launch(self.rt.handle, kernel, PRODUCER_ARGS, args)  # ctypes lets the GIL go for the call
+            launch(self.rt.handle, kernel, len(args), args)  # ctypes lets the GIL go for the call
             self._done.release()
 
     def start(self, kernel: int, args) -> None:
+        """Launch ``kernel`` (a handle in this lane's runtime) on ``args`` (an argument array of this runtime's)."""
         self._job = (kernel, args)
         self._go.release()
 

@@ -121,7 +121,7 @@ def build_producer(head_dim: int, heads_per_kv: int, n_kv: int, gpu: bool, layou
         return build_gpu_producer(plan, n_kv, bypass, record, at, items_cap)
     cpu_item = cpu_item_work(head_dim, heads_per_kv, n_kv, bypass, record, at)
     if per_group:
-        return group_producer_kernel(n_kv, cpu_item=cpu_item)
+        return group_producer_kernel(n_kv, cpu_item=cpu_item, serial=serial)
     return serial_producer_kernel(cpu_item, n_kv) if serial else producer_kernel(n_kv, cpu_item=cpu_item)
 
 
@@ -230,13 +230,14 @@ def serial_producer_kernel(cpu_item, n_kv: int):
     return serial_producer
 
 
-def group_producer_kernel(n_kv: int, cpu_item=None, gpu=None):
+def group_producer_kernel(n_kv: int, cpu_item=None, gpu=None, serial: bool = False):
     """The producer over groups that each have their own position, origins and split: a batch's sequences, group
     g being sequence g (its activations row ``layers[g]``, its plane slot ``slots[g]``, its values in
     ``state[g, GROUP_*]``).  The launch walks ``n_group x n_kv x nwg_max`` work items; group g's item (kvh, wg)
     runs only where wg < its own nwg, and is handed to the same per-item work as producer_kernel's as the item
     index it has in a launch of g's own split, so each group's partials are, bit for bit, those of a launch of
-    its own.  Capacity and window are the class's (one pool: every sequence's ring and plane alike)."""
+    its own.  Capacity and window are the class's (one pool: every sequence's ring and plane alike).  serial (CPU):
+    the items first, first + stride, ... on the launching thread (two more arguments), as serial_producer_kernel."""
     gpu_path = gpu is not None
     plan, work = gpu if gpu_path else (None, None)
     T = plan.T if gpu_path else 1
@@ -252,6 +253,30 @@ def group_producer_kernel(n_kv: int, cpu_item=None, gpu=None):
         if wg < nwg:
             own = (g * n_kv + kvh) * nwg + wg
         return g, own
+
+    @ti.func
+    def cpu_own_item(item, q: ti.template(), k_cur: ti.template(), v_cur: ti.template(), k_plane: ti.template(),
+                     v_plane: ti.template(), partials: ti.template(), visits: ti.template(), layers: ti.template(),
+                     slots: ti.template(), state: ti.template(), window, capacity, nwg_max, scale):
+        g, own = own_item(item, state, nwg_max)
+        if own >= 0:
+            cpu_item(own, q, k_cur, v_cur, k_plane, v_plane, partials, visits, layers, slots,
+                     state[g, GROUP_POSITION], window, capacity, state[g, GROUP_ORIGIN_LOGICAL],
+                     state[g, GROUP_ORIGIN_PHYSICAL], state[g, GROUP_NWG], state[g, GROUP_NSG], scale)
+
+    if serial:
+        @ti.kernel
+        def serial_group_producer(
+            q: f32_3d, k_cur: f32_3d, v_cur: f32_3d, k_plane: packed_plane, v_plane: packed_plane,
+            partials: f32_4d, visits: i32_2d, layers: i32_1d, slots: i32_1d, n_group: ti.i32, state: i32_2d,
+            window: ti.i32, capacity: ti.i32, nwg_max: ti.i32, scale: ti.f32, first: ti.i32, stride: ti.i32,
+        ):
+            ti.loop_config(serialize=True)
+            for j in range((n_group * n_kv * nwg_max - first + stride - 1) // stride):
+                cpu_own_item(first + j * stride, q, k_cur, v_cur, k_plane, v_plane, partials, visits, layers, slots,
+                             state, window, capacity, nwg_max, scale)
+
+        return serial_group_producer
 
     @ti.kernel
     def group_producer(
@@ -271,11 +296,8 @@ def group_producer_kernel(n_kv: int, cpu_item=None, gpu=None):
         else:
             for t in range(n_group * n_kv * nwg_max * CPU_TASK_ITERATIONS):  # one item a CPU task, as producer_kernel
                 if t & (CPU_TASK_ITERATIONS - 1) == 0:
-                    g, own = own_item(t // CPU_TASK_ITERATIONS, state, nwg_max)
-                    if own >= 0:
-                        cpu_item(own, q, k_cur, v_cur, k_plane, v_plane, partials, visits, layers, slots,
-                                 state[g, GROUP_POSITION], window, capacity, state[g, GROUP_ORIGIN_LOGICAL],
-                                 state[g, GROUP_ORIGIN_PHYSICAL], state[g, GROUP_NWG], state[g, GROUP_NSG], scale)
+                    cpu_own_item(t // CPU_TASK_ITERATIONS, q, k_cur, v_cur, k_plane, v_plane, partials, visits,
+                                 layers, slots, state, window, capacity, nwg_max, scale)
 
     return group_producer
 
