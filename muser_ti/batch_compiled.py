@@ -47,16 +47,15 @@ class CompiledGroups:
         self._args: dict[tuple, tuple] = {}
         self._launch = capi.library().ti_launch_kernel
         self._fence = _StreamFence() if arch == "cuda" else None
-        # kernels whose items go to this thread and the lanes (the CPU's producers: layer_launch.ProducerLanes):
-        # id(parallel kernel) -> (this runtime's serial kernel, each lane's, the launch's items from its arguments)
+        # kernels whose items go to this thread and the lanes (the CPU's producers: layer_launch.ProducerLanes; the
+        # module holds their serial variants only): id(parallel kernel) -> (this runtime's serial kernel, each
+        # lane's, the launch's items from its arguments)
         self.lanes = producer_lanes(arch) if arch == "cpu" and spread else None
-        self._spread = {}
-        if self.lanes is not None:
-            lane_modules = [lane.rt.load_module(path) for lane in self.lanes.lanes]
-            for fn_id, (serial, items_of) in spread.items():
-                self._spread[fn_id] = (self.rt.kernel(module, serial),
-                                       [lane.rt.kernel(m, serial) for lane, m in zip(self.lanes.lanes, lane_modules)],
-                                       items_of)
+        lanes = self.lanes.lanes if self.lanes is not None else []
+        lane_modules = [lane.rt.load_module(path) for lane in lanes]
+        self._spread = {fn_id: (self.rt.kernel(module, serial), [lane.rt.kernel(m, serial)
+                                                                 for lane, m in zip(lanes, lane_modules)], items_of)
+                        for fn_id, (serial, items_of) in (spread or {}).items()}
 
     @classmethod
     def create(cls, kernels: dict[str, tuple], path: str, spread: dict | None = None) -> "CompiledGroups | None":
@@ -79,7 +78,7 @@ class CompiledGroups:
         launch, handle = self._launch, self.rt.handle
         for j, (kernel, args) in enumerate(dispatches):
             spread = self._spread.get(id(kernel))
-            if spread is not None and spread[2](args) > 1:
+            if spread is not None:
                 self._run_spread(key, j, spread, args)
                 continue
             packed = self._packed((key, j, id(kernel)), args, len(args), self.imported, self.rt)
@@ -121,9 +120,15 @@ class CompiledGroups:
         """A producer's items dealt round-robin to this thread and the lanes, each running the serial kernel on
         items i, i + threads, ... (the same work per item as the parallel kernel: the same bits)."""
         kernel, lane_kernels, items_of = spread
-        lanes = self.lanes.lanes
-        threads = min(items_of(args), 1 + len(lanes))
+        lanes = self.lanes.lanes if self.lanes is not None else []
+        threads = max(1, min(items_of(args), 1 + len(lanes)))
         n = len(args) + 2
+        if threads == 1:  # one item, or one core: this thread alone
+            packed = self._packed((key, j, kernel, 0), args, n, self.imported, self.rt)
+            capi.set_i32(packed[n - 2], 0)
+            capi.set_i32(packed[n - 1], 1)
+            self._launch(self.rt.handle, kernel, n, packed)
+            return
         with self.lanes.lock:
             started = []
             try:

@@ -162,11 +162,12 @@ class BatchLauncher:
         geometry = (cfg.head_dim, cfg.heads_per_kv, cfg.n_kv_heads, cfg.n_heads, self.gpu,
                     repr(plan_key(cfg.head_dim, cfg.heads_per_kv, self.gpu)))
         kernels = {"row_scan": (self.row_scan, ("row_scan", geometry)),
-                   "producer_splitk": (self.producers[ladder.SPLITK], ("group_producer", TOKEN_MAJOR, geometry)),
-                   "producer_interleaved": (self.producers[ladder.INTERLEAVED],
-                                            ("group_producer", HEAD_MAJOR, geometry)),
                    "reduce": (self.reduce, ("reduce_groups", geometry))}
-        for route, serial in self.serial_producers.items():
+        if self.gpu:
+            kernels["producer_splitk"] = (self.producers[ladder.SPLITK], ("group_producer", TOKEN_MAJOR, geometry))
+            kernels["producer_interleaved"] = (self.producers[ladder.INTERLEAVED],
+                                               ("group_producer", HEAD_MAJOR, geometry))
+        for route, serial in self.serial_producers.items():  # the CPU's (CompiledGroups deals their items out)
             kernels[f"producer_{route}_serial"] = (serial, ("serial_group_producer", route, geometry))
         if SWA in self.stores:
             kernels["store"] = (self.stores[SWA].store_group, ("store_group", geometry))

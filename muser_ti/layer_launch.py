@@ -17,7 +17,7 @@ lies (a framework's caching allocator hands out the same few addresses token aft
 The producer on the CPU: at short context a serial kernel on the calling thread (split_geometry.cpu_serial); deeper,
 the same serial kernel on the calling thread and on ProducerLanes (threads of the engine's own, each with a C-API
 runtime of its own), the layer's work items dealt round-robin, since Taichi's thread pool wakes its workers late on
-a small VM.  Without lanes (one core) Taichi's parallel kernel.  Each item is the same code every way: the same bits.
+a small VM; without lanes (one core) the serial kernel alone.  Each item is the same code every way: the same bits.
 
 Checks: the token scan runs as the layer's first kernel and writes its flags; the host reads them once, when
 the token commits (token.py), and a flagged layer abandons the token, which undoes every write it made.
@@ -163,11 +163,12 @@ class CompiledLayers:
         reduce_splitk = launcher.reduce_one.get(launcher.reduce_f32, launcher.reduce_f32)
         reduce_interleaved = launcher.reduce_one.get(launcher.reduce_v2, launcher.reduce_v2)
         kernels = {"scan": (scan, ("scan", geometry)),
-                   "splitk": (launcher.splitk, ("splitk", geometry)),
                    "reduce_splitk": (reduce_splitk, ("reduce_f32", geometry)),
-                   "interleaved": (launcher.interleaved, ("interleaved", geometry)),
                    "reduce_interleaved": (reduce_interleaved, ("reduce_v2", geometry))}
-        if not gpu:  # a layer's producer at short context, on the launching thread (Launcher.serial_layer)
+        if gpu:
+            kernels["splitk"] = (launcher.splitk, ("splitk", geometry))
+            kernels["interleaved"] = (launcher.interleaved, ("interleaved", geometry))
+        else:  # the serial producers only (_produce): each compiles in tens of seconds on a cold cache
             kernels["splitk_serial"] = (launcher.producer_one[launcher.splitk], ("splitk_serial", geometry))
             kernels["interleaved_serial"] = (launcher.producer_one[launcher.interleaved],
                                              ("interleaved_serial", geometry))
@@ -283,16 +284,17 @@ class CompiledLayers:
         return n
 
     def _produce(self, a: dict, route: str, visible: int, items: int) -> None:
-        """The layer's producer launch (``route``: "splitk" | "interleaved") over its ``items`` work items.  On a GPU
-        and a 1-core CPU: Taichi's parallel kernel.  On the CPU at short context: the serial kernel on this thread
-        (Launcher.serial_layer).  Deeper, with lanes: the serial kernel on this thread and each lane, items dealt
-        round-robin (thread i takes items i, i + threads, ...), every item the same work as in the parallel kernel."""
+        """The layer's producer launch (``route``: "splitk" | "interleaved") over its ``items`` work items.  On a GPU:
+        Taichi's parallel kernel.  On the CPU the serial kernel: on this thread alone at short context
+        (Launcher.serial_layer) or without lanes (one core); else on this thread and each lane, items dealt
+        round-robin (thread i takes items i, i + threads, ...), every item the same work as in the parallel kernel,
+        which the CPU's module leaves out (Taichi's pool woke its second worker too late for a layer's items)."""
         pr, launch, rt = a["producer"], self._launch, self._handle
-        serial = not self.gpu and self.launcher.serial_layer(visible)
-        if not serial and (self.lanes is None or items < 2):
+        if self.gpu:
             launch(rt, self.k[route], 18, pr)
             return
-        threads = 1 if serial else min(items, 1 + len(self.lanes.lanes))
+        alone = self.lanes is None or self.launcher.serial_layer(visible)
+        threads = 1 if alone else min(items, 1 + len(self.lanes.lanes))
         pr[18].value.i32 = 0
         pr[19].value.i32 = threads
         if threads == 1:

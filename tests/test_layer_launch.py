@@ -80,11 +80,11 @@ def test_compiled_and_python_launches_give_the_same_bits(compiled_arch, kind, n)
 
 
 @pytest.mark.parametrize("n", [1, 3])
-def test_a_layers_producer_on_one_thread_on_lanes_and_on_taichis_pool_gives_steps_bits(compiled_arch, n,
-                                                                                       monkeypatch):
-    """The CPU runs a layer's producer on the calling thread at short context, then (past CPU_SERIAL_ROWS, lowered
-    here so the run crosses it) on the calling thread and its lanes, items dealt round-robin, or on Taichi's pool
-    where there are no lanes: every way gives step()'s bits, through the rings' wrap and the NoPE plane's growth."""
+def test_a_layers_producer_on_one_thread_and_on_lanes_gives_steps_and_the_pools_bits(compiled_arch, n, monkeypatch):
+    """The compiled path runs a layer's producer on the calling thread at short context, then (past CPU_SERIAL_ROWS,
+    lowered here so the run crosses it) on the calling thread and its lanes, items dealt round-robin, or on the
+    calling thread alone where there are no lanes; the Python path runs it serially, then on Taichi's pool.  Every
+    way gives step()'s bits, through the rings' wrap and the NoPE plane's growth."""
     if compiled_arch != "cpu":
         pytest.skip("the serial producer and its lanes are the CPU's")
     from muser_ti.kernels import split_geometry
@@ -103,16 +103,16 @@ def test_a_layers_producer_on_one_thread_on_lanes_and_on_taichis_pool_gives_step
     assert lanes is not None, "a 2-core machine has one producer lane"
     ways = set()
     for i in range(60 // n):
-        layers.lanes = lanes if i % 4 else None  # every fourth token on Taichi's pool
+        layers.lanes = lanes if i % 4 else None  # every fourth token as on one core
         tokens = [s.token() for _ in range(n)]
         q, k, v = (np.stack([tok[j] for tok in tokens]) for j in range(3))
         ways.add("serial" if compiled.launcher.serial_layer(compiled.position + 1) else
-                 "lanes" if layers.lanes is not None else "pool")
+                 "lanes" if layers.lanes is not None else "alone")
         got = _attend_all(compiled, q, k, v, n, lambda a: a)
         np.testing.assert_array_equal(got, _attend_all(python, q, k, v, n, lambda a: a))
         want = np.stack([np.asarray(stepper.step(q[j], k[j], v[j])) for j in range(n)])
         np.testing.assert_array_equal(got, want)
-    assert ways == {"serial", "lanes", "pool"}
+    assert ways == {"serial", "lanes", "alone"}
     assert compiled.plane_state(3).capacity == 128 and compiled.plane_state(0).is_wrapped
     assert_same_state(state(compiled), state(stepper))
 
