@@ -476,6 +476,20 @@ class ProducerLanes:
 _LANES: dict[str, ProducerLanes | None] = {}
 
 
+def _forget_lanes_after_fork() -> None:
+    """In a forked child the lanes' threads are gone (fork copies only the calling thread): without this, the
+    first deep layer would hand a launch to a thread that is not there and wait for ever.  The child's layers run
+    on its calling thread alone."""
+    for lanes in _LANES.values():
+        if lanes is not None:
+            lanes.lanes = []
+            lanes.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_lanes_after_fork)
+
+
 def producer_lanes(arch: str) -> ProducerLanes | None:
     """The process's ProducerLanes on ``arch`` (made on first use), or None where there is one core."""
     if arch not in _LANES:

@@ -117,6 +117,33 @@ def test_a_layers_producer_on_one_thread_and_on_lanes_gives_steps_and_the_pools_
     assert_same_state(state(compiled), state(stepper))
 
 
+def test_after_a_fork_the_layers_run_without_the_lanes(compiled_arch, monkeypatch):
+    """fork copies only the calling thread: a child that handed a deep layer's items to the parent's lane threads
+    would wait for ever, so the fork hook drops the lanes and the child's layers run on its calling thread, with the
+    same bits.  (The hook is called here in this process; a real fork's child also loses Taichi's own thread pool,
+    whose next parallel launch never returns, so an engine is not carried across a fork.)"""
+    if compiled_arch != "cpu":
+        pytest.skip("the producer lanes are the CPU's")
+    from muser_ti.kernels import split_geometry
+
+    monkeypatch.setattr(split_geometry, "CPU_SERIAL_ROWS", 16)  # every layer on the lanes
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    compiled = mt.Engine(cfg, arch="cpu", launch="capi")
+    python = mt.Engine(cfg, arch="cpu", launch="python")
+    s = Session(compiled, seed=6)
+    s.prefill(40, also=python)
+    lanes = compiled.launcher.compiled_layers().lanes
+    assert lanes.lanes, "a 2-core machine has a producer lane"
+    monkeypatch.setattr(lanes, "lanes", list(lanes.lanes))  # put back after the test
+    monkeypatch.setattr(lanes, "lock", lanes.lock)
+    layer_launch._forget_lanes_after_fork()
+    assert lanes.lanes == []
+    for _ in range(3):
+        q, k, v = s.token()
+        got = _attend_all(compiled, q[None], k[None], v[None], 1, lambda a: a)
+        np.testing.assert_array_equal(got, _attend_all(python, q[None], k[None], v[None], 1, lambda a: a))
+
+
 def test_new_arrays_every_token_import_nothing_new(compiled_arch):
     """The caller's arrays go through the layer's staging arrays (CPU): a fresh array every call imports nothing
     into the C-API runtime, whose imports Taichi 1.7.4 cannot free."""
