@@ -26,9 +26,10 @@ from . import aot, backend, capi
 from .layer_launch import MAX_IMPORTED, _Imported, _StreamFence, producer_lanes, runtime, take_compiled
 
 _UNSET = object()
-# "auto" on CUDA: Taichi's Python path, where every CUDA figure of the batch so far ran (one engine's rule too);
-# launch="capi" opts in.  This path on CUDA is written and its tests are in test_batch.py, but it has not yet run on
-# a GPU (no device was lent when it was written): turn this on only after they pass there and it measures cheaper
+# "auto" on CUDA: Taichi's Python path; launch="capi" opts in.  On an H100 (docs/lab/runs.md, run 48) this path
+# passed test_batch.py (the Python path's bits, torch CUDA tensors read in place) and was cheaper at one to eight
+# sequences (1.60 against 2.15 ms a group step at one sequence, 2,048 keys) but dearer at 32 (5.01 against 4.02 ms
+# at 32,768 keys), so the default stays where every figure is at least as good
 AUTO_ON_CUDA = False
 
 
