@@ -26,10 +26,8 @@ from . import aot, backend, capi
 from .layer_launch import MAX_IMPORTED, _Imported, _StreamFence, producer_lanes, runtime, take_compiled
 
 _UNSET = object()
-# "auto" on CUDA: Taichi's Python path; launch="capi" opts in.  On an H100 (docs/lab/runs.md, run 48) this path
-# passed test_batch.py (the Python path's bits, torch CUDA tensors read in place) and was cheaper at one to eight
-# sequences (1.60 against 2.15 ms a group step at one sequence, 2,048 keys) but dearer at 32 (5.01 against 4.02 ms
-# at 32,768 keys), so the default stays where every figure is at least as good
+# "auto" on CUDA: Taichi's Python path; launch="capi" opts in: on an H100 the same bits, cheaper at 1-8 sequences but
+# dearer at 32 (docs/PERF.md, "A model's token and many sequences on CUDA")
 AUTO_ON_CUDA = False
 
 

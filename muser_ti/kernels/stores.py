@@ -13,11 +13,13 @@ import taichi as ti
 
 from .common import GROUP_ROW, HEAD_MAJOR, TOKEN_MAJOR, cached, f32_3d, f32_4d, i32_1d, i32_2d, on_gpu
 from .halves import HALVES_PER_WORD, pack, packed_plane
+from .producer import addressing
 
 
 def build_stores(head_dim: int, n_kv: int, layout: str):
     D, KV = head_dim, n_kv
     W = D // HALVES_PER_WORD  # words per plane row
+    at = addressing(layout, n_kv)  # the producers' row addressing (row_offset), for the kept rows' flat copies
     # On the CPU a token's stores are a few thousand words: one thread does them sooner than the worker
     # threads wake (a per-layer token makes one a layer, token.py; a batch's step its sequences' rows, tens of
     # thousands of words, measured 220 us a launch in parallel); the prefill's and the grow copy's stay parallel
@@ -83,23 +85,18 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
             return value
 
         # row_copies: the CPU's kept rows (a batch step's, serial: a parallel launch wakes the pool for little work)
-        # copy a row's words through flat offsets, plane[0, 0, 0, offset + w]: Taichi linearises an index as
-        # ((i*n1 + j)*n2 + k)*n3 + l, so with zeros in front the offset is used as is (the producer's plane_flat),
-        # and the 4-D index of every word, shapes reloaded each time, goes: 4.06 -> 1.32 ms a batch-32 step's
-        # open on the 2-core VM (its kept rows, two launches).  The K and V planes (and kept arrays) share shapes.
-        @ti.func
-        def flat_row(plane: ti.template(), slot, row, kvh):
-            n1, n2, n3 = plane.shape[1], plane.shape[2], plane.shape[3]
-            offset = 0
-            if ti.static(layout == TOKEN_MAJOR):
-                offset = ((slot * n1 + row) * n2 + kvh) * n3
-            else:
-                offset = ((slot * n1 + kvh) * n2 + row) * n3
-            return offset
-
+        # copy a row's words through flat offsets, plane[0, 0, 0, offset + w] (the producer's plane_flat: Taichi
+        # linearises an index as ((i*n1 + j)*n2 + k)*n3 + l, so with zeros in front the offset is used as is), not a
+        # 4-D index a word with the shapes reloaded each time: 4.06 -> 1.32 ms a batch-32 step's open on the 2-core VM
+        # (docs/lab/runs.md, run 47).  The K and V planes (and kept arrays) share their shapes.
         @ti.func
         def saved_row(saved: ti.template(), g, i, kvh):
             return ((g * saved.shape[1] + i) * saved.shape[2] + kvh) * saved.shape[3]
+
+        @ti.func
+        def copy_row(dst: ti.template(), d, src: ti.template(), s):
+            for w in range(W):
+                dst[0, 0, 0, d + w] = src[0, 0, 0, s + w]
 
         @ti.func
         def put_word(plane: ti.template(), slot, row, kvh, w, value):
@@ -124,13 +121,13 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
                        bases: i32_1d, rows: i32_1d, n_group: ti.i32, n_layers: ti.i32):
             """save_rows for a batch's sequences in one launch: row ``rows[g]`` of plane slots bases[g] ..
             bases[g] + n_layers - 1 into saved[g, layer, kv, w], K and V (one row a sequence: its token's)."""
-            if ti.static(serial):  # a row's words by flat offsets: no 4-D index per word (row_copies says why)
+            if ti.static(serial):  # a row's words by flat offsets (row_copies says why)
                 ti.loop_config(serialize=True)
                 for g, i, kvh in ti.ndrange(n_group, n_layers, KV):
-                    src, dst = flat_row(k_plane, bases[g] + i, rows[g], kvh), saved_row(k_saved, g, i, kvh)
-                    for w in range(W):
-                        k_saved[0, 0, 0, dst + w] = k_plane[0, 0, 0, src + w]
-                        v_saved[0, 0, 0, dst + w] = v_plane[0, 0, 0, src + w]
+                    plane_at = at.row_offset(k_plane, bases[g] + i, kvh, rows[g])
+                    kept_at = saved_row(k_saved, g, i, kvh)
+                    copy_row(k_saved, kept_at, k_plane, plane_at)
+                    copy_row(v_saved, kept_at, v_plane, plane_at)
             else:
                 for g, i, kvh, w in ti.ndrange(n_group, n_layers, KV, W):
                     k_saved[g, i, kvh, w] = word(k_plane, bases[g] + i, rows[g], kvh, w)
@@ -142,10 +139,10 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
             if ti.static(serial):  # as save_group's
                 ti.loop_config(serialize=True)
                 for g, i, kvh in ti.ndrange(n_group, n_layers, KV):
-                    dst, src = flat_row(k_plane, bases[g] + i, rows[g], kvh), saved_row(k_saved, g, i, kvh)
-                    for w in range(W):
-                        k_plane[0, 0, 0, dst + w] = k_saved[0, 0, 0, src + w]
-                        v_plane[0, 0, 0, dst + w] = v_saved[0, 0, 0, src + w]
+                    plane_at = at.row_offset(k_plane, bases[g] + i, kvh, rows[g])
+                    kept_at = saved_row(k_saved, g, i, kvh)
+                    copy_row(k_plane, plane_at, k_saved, kept_at)
+                    copy_row(v_plane, plane_at, v_saved, kept_at)
             else:
                 for g, i, kvh, w in ti.ndrange(n_group, n_layers, KV, W):
                     put_word(k_plane, bases[g] + i, rows[g], kvh, w, k_saved[g, i, kvh, w])

@@ -174,7 +174,8 @@ def ways(depth: int, tokens: int) -> None:
     cfg = load_config("glimmer.yaml")
     L, H, KV, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     rng = np.random.default_rng(1)
-    engines = {"compiled": mt.Engine(cfg, arch="cpu", launch="capi"), "pool": mt.Engine(cfg, arch="cpu", launch="python")}
+    engines = {"compiled": mt.Engine(cfg, arch="cpu", launch="capi"),
+               "pool": mt.Engine(cfg, arch="cpu", launch="python")}
     for start in range(0, depth, 1024):
         n = min(1024, depth - start)
         k, v = (rng.standard_normal((n, L, KV, D), dtype=np.float32) for _ in range(2))
