@@ -465,8 +465,8 @@ class _Lane:
 class ProducerLanes:
     """The process's extra producer threads on the CPU: cores - 1 of them, at most MAX_PRODUCER_THREADS - 1.
     Taichi's own thread pool wakes its workers late on a 2-core VM: a layer's two work items of a millisecond each
-    ran one after the other (docs/PERF.md, "CPU launches"); a thread that is handed its launch while the caller runs
-    its own half starts at once."""
+    ran one after the other (docs/PERF.md, "A model's calls on the CPU, one layer at a time"); a thread that is
+    handed its launch while the caller runs its own half starts at once."""
 
     def __init__(self, arch: str, n: int):
         self.lanes = [_Lane(arch, i) for i in range(n)]

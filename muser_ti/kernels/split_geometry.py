@@ -43,9 +43,9 @@ def cpu_split_geometry(visible: int, n_pairs: int) -> tuple[int, int]:
 
 
 # Handing a launch's items to more threads costs their wake-up: 60-100 us on the 2-core VM, through Taichi's pool
-# or the compiled path's lanes alike (docs/PERF.md, "CPU launches"), about what one core takes for ~250 of a work
-# item's rows.  A launch with at most CPU_SERIAL_ROWS rows in all (one layer's at short context) runs its items on
-# the launching thread: the same items, the same bits.
+# or the compiled path's lanes alike (docs/PERF.md, "A model's calls on the CPU, one layer at a time"), about what
+# one core takes for ~250 of a work item's rows.  A launch with at most CPU_SERIAL_ROWS rows in all (one layer's at
+# short context) runs its items on the launching thread: the same items, the same bits.
 CPU_SERIAL_ROWS = 512
 
 

@@ -212,7 +212,7 @@ def serial_producer_kernel(cpu_item, n_kv: int):
     another on the launching thread, each the same work as in producer_kernel (so the same bits).  One layer's
     launch at short context runs them all on one thread (first 0, stride 1: split_geometry.cpu_serial); deeper,
     the compiled path runs one launch a thread on threads of its own (layer_launch.ProducerLanes), since Taichi's
-    pool wakes its workers late on a 2-core VM (docs/PERF.md, "CPU launches")."""
+    pool wakes its workers late on a 2-core VM (docs/PERF.md, "A model's calls on the CPU, one layer at a time")."""
 
     @ti.kernel
     def serial_producer(
