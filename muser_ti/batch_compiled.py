@@ -23,7 +23,7 @@ from __future__ import annotations
 import taichi as ti
 
 from . import aot, backend, capi
-from .layer_launch import MAX_IMPORTED, _Imported, _StreamFence, producer_lanes, runtime, take_compiled
+from .layer_launch import MAX_IMPORTED, _Imported, _StreamFence, deal, producer_lanes, runtime, take_compiled
 
 _UNSET = object()
 # "auto" on CUDA: Taichi's Python path; launch="capi" opts in: on an H100 the same bits, cheaper at 1-8 sequences but
@@ -122,29 +122,16 @@ class CompiledGroups:
         lanes = self.lanes.lanes if self.lanes is not None else []
         threads = max(1, min(items_of(args), 1 + len(lanes)))
         n = len(args) + 2
-        if threads == 1:  # one item, or one core: this thread alone
-            packed = self._packed((key, j, kernel, 0), args, n, self.imported, self.rt)
-            capi.set_i32(packed[n - 2], 0)
-            capi.set_i32(packed[n - 1], 1)
-            self._launch(self.rt.handle, kernel, n, packed)
-            return
-        with self.lanes.lock:
-            started = []
-            try:
-                for i in range(1, threads):
-                    lane = lanes[i - 1]
-                    packed = self._packed((key, j, kernel, i), args, n, lane.imported, lane.rt)
-                    capi.set_i32(packed[n - 2], i)
-                    capi.set_i32(packed[n - 1], threads)
-                    lane.start(lane_kernels[i - 1], packed)
-                    started.append(lane)
-                packed = self._packed((key, j, kernel, 0), args, n, self.imported, self.rt)
-                capi.set_i32(packed[n - 2], 0)
-                capi.set_i32(packed[n - 1], threads)
-                self._launch(self.rt.handle, kernel, n, packed)
-            finally:  # every lane done before the step goes on, or is abandoned: they write the planes too
-                for lane in started:
-                    lane.join()
+
+        def packed_for(i: int, imported, rt):  # thread i's arguments, in its runtime: items i, i + threads, ...
+            packed = self._packed((key, j, kernel, i), args, n, imported, rt)
+            capi.set_i32(packed[n - 2], i)
+            capi.set_i32(packed[n - 1], threads)
+            return packed
+
+        deal(self.lanes, threads,
+             lambda i, lane: lane.start(lane_kernels[i - 1], packed_for(i, lane.imported, lane.rt)),
+             lambda: self._launch(self.rt.handle, kernel, n, packed_for(0, self.imported, self.rt)))
 
 
 __all__ = ["CompiledGroups"]

@@ -297,23 +297,14 @@ class CompiledLayers:
         threads = 1 if alone else min(items, 1 + len(self.lanes.lanes))
         pr[18].value.i32 = 0
         pr[19].value.i32 = threads
-        if threads == 1:
-            launch(rt, self.k[route + "_serial"], PRODUCER_ARGS, pr)
-            return
-        with self.lanes.lock:
-            started = []
-            try:
-                for i in range(1, threads):
-                    lane = self.lanes.lanes[i - 1]
-                    args = self._lane_args(a, i - 1, lane)
-                    args[18].value.i32 = i
-                    args[19].value.i32 = threads
-                    lane.start(self._lane_kernels[i - 1][route], args)
-                    started.append(lane)
-                launch(rt, self.k[route + "_serial"], PRODUCER_ARGS, pr)
-            finally:  # every lane done before the layer goes on (or is abandoned): they write its plane row too
-                for lane in started:
-                    lane.join()
+
+        def start(i, lane):
+            args = self._lane_args(a, i - 1, lane)
+            args[18].value.i32 = i
+            args[19].value.i32 = threads
+            lane.start(self._lane_kernels[i - 1][route], args)
+
+        deal(self.lanes, threads, start, lambda: launch(rt, self.k[route + "_serial"], PRODUCER_ARGS, pr))
 
     def _lane_args(self, a: dict, i: int, lane) -> ctypes.Array:
         """Lane i's producer arguments for the layer of ``a``: its own imports of the layer's arrays (a runtime's
@@ -471,6 +462,26 @@ class ProducerLanes:
     def __init__(self, arch: str, n: int):
         self.lanes = [_Lane(arch, i) for i in range(n)]
         self.lock = threading.Lock()  # one layer's launch at a time (engines driven from several threads)
+
+
+def deal(lanes: ProducerLanes | None, threads: int, start, here) -> None:
+    """A launch's items dealt to this thread and ``threads - 1`` lanes: ``start(i, lane)`` hands lane i - 1 thread i's
+    launch, ``here()`` runs thread 0's; every lane is done before this returns (or raises), since they write the
+    planes too.  One thread: ``here()`` alone."""
+    if threads == 1:
+        here()
+        return
+    with lanes.lock:
+        started = []
+        try:
+            for i in range(1, threads):
+                lane = lanes.lanes[i - 1]
+                start(i, lane)
+                started.append(lane)
+            here()
+        finally:
+            for lane in started:
+                lane.join()
 
 
 _LANES: dict[str, ProducerLanes | None] = {}

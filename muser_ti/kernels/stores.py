@@ -87,8 +87,8 @@ def build_stores(head_dim: int, n_kv: int, layout: str):
         # row_copies: the CPU's kept rows (a batch step's, serial: a parallel launch wakes the pool for little work)
         # copy a row's words through flat offsets, plane[0, 0, 0, offset + w] (the producer's plane_flat: Taichi
         # linearises an index as ((i*n1 + j)*n2 + k)*n3 + l, so with zeros in front the offset is used as is), not a
-        # 4-D index a word with the shapes reloaded each time: 4.06 -> 1.32 ms a batch-32 step's open on the 2-core VM
-        # (docs/lab/runs.md, run 47).  The K and V planes (and kept arrays) share their shapes.
+        # 4-D index a word with the shapes reloaded each time, which cost ~3x (docs/PERF.md, "Many sequences on the
+        # CPU").  The K and V planes (and kept arrays) share their shapes.
         @ti.func
         def saved_row(saved: ti.template(), g, i, kvh):
             return ((g * saved.shape[1] + i) * saved.shape[2] + kvh) * saved.shape[3]
