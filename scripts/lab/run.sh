@@ -27,6 +27,9 @@
 #   batch            many sequences on CUDA: test_batch and transformers' left-padded batch, then the batched step
 #                    against torch's SDPA over a bf16 static cache (bench/batch_decode.py; BATCH_SIZES, BATCH_DEPTHS,
 #                    BATCH_LAUNCHES: the engine's launch paths, a row each)
+#   parts            where each launch path's host time goes on CUDA (scripts/lab/launch_parts.py): one engine's
+#                    per-layer token and a batch's step, timed and then profiled with the C calls wrapped
+#                    (PARTS_DEPTHS, PARTS_CASES, PARTS_TIMEOUT); then bench/per_layer.py (PER_LAYER_TIMEOUT)
 #   model            a model's calls (MODEL_PART: tests, bench, profile or all): the per-layer token's tests and
 #                    transformers' Glimmer on the engine on CUDA
 #                    (torch CUDA tensors, zero-copy) and Vulkan (host tensors); the host's cost per layer against
@@ -194,6 +197,16 @@ launch)
       > "$OUT/model_token_$context.json" 2> "$OUT/model_token_$context.err"
     echo "== model_token $context rc=$?"; cat "$OUT/model_token_$context.json"; tail -3 "$OUT/model_token_$context.err"
   done;;
+
+parts)  # where each launch path's host time goes (launch_parts.py), then the host cost a layer against step()
+  for depth in ${PARTS_DEPTHS:-2048 32768}; do
+    cases=""; for c in ${PARTS_CASES:-engine:capi engine:python batch:capi:1 batch:python:1 batch:capi:32 batch:python:32}; do
+      cases="$cases --case $c"; done
+    timeout ${PARTS_TIMEOUT:-240} python3 scripts/lab/launch_parts.py --arch cuda --depth $depth $cases \
+      > "$OUT/parts_$depth.txt" 2>&1; echo "== parts $depth rc=$?"; grep -E "^==" "$OUT/parts_$depth.txt"
+  done
+  timeout ${PER_LAYER_TIMEOUT:-150} python3 -m muser_ti.bench.per_layer --arch cuda --depth 64 --depth 2048 --tokens 20 \
+    > "$OUT/per_layer_cuda.txt" 2>&1; echo "== per_layer cuda rc=$?"; tail -4 "$OUT/per_layer_cuda.txt";;
 
 batch)  # many sequences on CUDA: the batch tests (muser_ti/batch.py, transformers' left-padded batch), then the
   # batched step against torch's SDPA over a bf16 static cache (BATCH_SIZES, BATCH_DEPTHS, BATCH_TIMEOUT)
