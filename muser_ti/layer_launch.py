@@ -1,10 +1,10 @@
 """One layer of a per-layer token (token.py) launched from compiled code: Taichi's C-API.
 
 A model calls the engine once a layer, 52 times a token for Glimmer.  Through Taichi's Python launch path each
-of a layer's kernels costs tens of microseconds of host time; here the layer's kernels (the token scan, the
-store where the route has one, the producer, the reducer) were compiled ahead of time (aot.py), loaded into a
-C-API runtime (capi.py), and each launch is one C call on an argument array built once per layer and patched
-in place: the token's position, the plane's origins, the split.
+of a layer's kernels costs tens of microseconds of host time; here a layer is one kernel (kernels/layer_kernel.py:
+the token scan, the store, the producer and the merge folded into one launch), compiled ahead of time (aot.py),
+loaded into a C-API runtime (capi.py), and launched with one C call on an argument array built once per layer and
+patched in place: the token's position, the plane's origins, the split.
 
 Memory: the planes and the engine's scratch are the Python runtime's arrays, imported once by address (the
 CPU's host memory; on CUDA, device memory of the primary context both runtimes share).  The caller's arrays:
@@ -14,13 +14,15 @@ Taichi 1.7.4 cannot free an imported CPU allocation.  On CUDA a float32 contiguo
 lies (a framework's caching allocator hands out the same few addresses token after token) up to
 ``MAX_IMPORTED`` addresses, then copied into the staging arrays on the device.
 
-The producer on the CPU: at short context a serial kernel on the calling thread (split_geometry.cpu_serial); deeper,
-the same serial kernel on the calling thread and on ProducerLanes (threads of the engine's own, each with a C-API
-runtime of its own), the layer's work items dealt round-robin, since Taichi's thread pool wakes its workers late on
-a small VM; without lanes (one core) the serial kernel alone.  Each item is the same code every way: the same bits.
+The CPU: at short context every part of the layer on the calling thread, one launch
+(split_geometry.cpu_serial); deeper, three: the scan and store, then the producer's work items dealt round-robin
+to the calling thread and ProducerLanes (threads of the engine's own, each with a C-API runtime of its own, since
+Taichi's thread pool wakes its workers late on a small VM), then the merge; without lanes (one core) one launch.
+Each item is the same code every way: the same bits.
 
-Checks: the token scan runs as the layer's first kernel and writes its flags; the host reads them once, when
-the token commits (token.py), and a flagged layer abandons the token, which undoes every write it made.
+Checks: the scan runs first, and the layer's writes (the plane's row, ``out``) wait on its flags: a flagged layer
+writes nothing.  On the CPU the host reads the flags' summary after the launch and names the value; on CUDA it
+reads them once, when the token commits (token.py), and a flagged layer abandons the token.
 
 Ordering on CUDA: Taichi 1.7.4's launcher copies each launch's arguments with an asynchronous copy on the
 legacy default stream.  The kernels therefore go on that stream too (``ti_set_cuda_stream(0)``); where the
@@ -28,8 +30,9 @@ caller's current stream is another, the launches are fenced with events both way
 before them, theirs before the caller's next), so the engine orders with the model's own kernels without a
 host synchronisation.  CUDA-graph capture is refused (:func:`refuse_capture` says why).
 
-Same bits as the Python path: the same kernels (the same Taichi IR, compiled by the same LLVM) on the same
-split geometry (launch.Launcher.split_geometry); tests/test_layer_launch.py holds the two paths to each other.
+Same bits as the Python path: the folded kernel runs the ti.funcs of the Python path's four kernels (compiled by
+the same LLVM) on the same split geometry (launch.Launcher.split_geometry); tests/test_layer_launch.py holds the two
+paths to each other.
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ import taichi as ti
 from . import aot, arrays, backend, capi, ladder
 from .config import NOPE, SWA
 from .errors import EngineError
+from .kernels.layer_kernel import (LAYER_ALL, LAYER_ARGS, LAYER_PRODUCE, LAYER_REDUCE, LAYER_SCAN, LAYER_STORE,
+                                   build_layer_kernels)
 from .kernels.producer import plan_key
-from .kernels.token_scan import TOKEN_FLAGS, build_token_scan
+from .kernels.token_scan import TOKEN_FLAGS
 from .launch import host_view
 from .planes import visible_span, window_of
 
@@ -56,7 +61,11 @@ MAX_IMPORTED = 4096  # distinct caller addresses imported on CUDA before copies 
 # A layer's producer has n_kv_heads x nwg work items at the split step() gives it: 2 to 4 for Glimmer (2 KV heads,
 # at most 2 workgroups a pair at 13 layers a launch), so more threads than 4 would find nothing to do.
 MAX_PRODUCER_THREADS = 4
-PRODUCER_ARGS = 20  # the serial producer's arguments: the producer's 18, then first and stride
+# the folded layer kernel's arguments by index (kernels/layer_kernel.py's signature)
+(_Q, _K, _V, _OUT, _FLAGS, _STAMP, _PARTS, _K_PLANE, _V_PLANE, _PARTIALS, _VISITS, _LAYERS, _SLOTS, _POSITION, _WINDOW,
+ _CAPACITY, _ORIGIN_LOGICAL, _ORIGIN_PHYSICAL, _NWG, _NSG, _SCALE, _FIRST, _STRIDE) = range(LAYER_ARGS)
+_IO = (_Q, _K, _V, _OUT)
+_SCALAR_RUNS = ((_STAMP, _PARTS + 1), (_POSITION, _STRIDE + 1))  # the scalars, as runs of consecutive arguments
 
 
 class ScanRefused(Exception):
@@ -138,8 +147,7 @@ class CompiledLayers:
         if self.lanes is not None:
             for lane in self.lanes.lanes:
                 lane_module = lane.rt.load_module(path)
-                self._lane_kernels.append({name: lane.rt.kernel(lane_module, name + "_serial")
-                                           for name in ("splitk", "interleaved")})
+                self._lane_kernels.append({name: lane.rt.kernel(lane_module, name) for name in kernels})
         # the CPU's launches return when their kernel has run: the flags' summary is read at once, so a refused
         # layer writes nothing and its refusal names the value (the host checks its arrays only then)
         self._summary = None if self.gpu else host_view(launcher.checks.flags)[:TOKEN_FLAGS]
@@ -155,30 +163,18 @@ class CompiledLayers:
 
     @staticmethod
     def _kernels(launcher) -> dict[str, tuple]:
-        """The per-layer kernels by name, each with the key its build depends on (aot.module_key)."""
+        """The per-layer kernels by name, each with the key its build depends on (aot.module_key): one a route, the
+        layer folded into one launch (kernels/layer_kernel.py)."""
         cfg, gpu = launcher.cfg, launcher.gpu
         geometry = (cfg.head_dim, cfg.heads_per_kv, cfg.n_kv_heads, cfg.n_heads, gpu, launcher.items_cap,
                     repr(plan_key(cfg.head_dim, cfg.heads_per_kv, gpu)))
-        scan = build_token_scan(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, serial=not gpu)
-        reduce_splitk = launcher.reduce_one.get(launcher.reduce_f32, launcher.reduce_f32)
-        reduce_interleaved = launcher.reduce_one.get(launcher.reduce_v2, launcher.reduce_v2)
-        kernels = {"scan": (scan, ("scan", geometry)),
-                   "reduce_splitk": (reduce_splitk, ("reduce_f32", geometry)),
-                   "reduce_interleaved": (reduce_interleaved, ("reduce_v2", geometry))}
-        if gpu:
-            kernels["splitk"] = (launcher.splitk, ("splitk", geometry))
-            kernels["interleaved"] = (launcher.interleaved, ("interleaved", geometry))
-        else:  # the serial producers only (_produce): each compiles in tens of seconds on a cold cache
-            kernels["splitk_serial"] = (launcher.producer_one[launcher.splitk], ("splitk_serial", geometry))
-            kernels["interleaved_serial"] = (launcher.producer_one[launcher.interleaved],
-                                             ("interleaved_serial", geometry))
-        if SWA in launcher.cache.planes:
-            kernels["store"] = (launcher.cache.stores[SWA].store_token, ("store_token", geometry))
-        return kernels
+        kernels = build_layer_kernels(cfg.head_dim, cfg.heads_per_kv, cfg.n_kv_heads, cfg.n_heads, gpu,
+                                      launcher.items_cap)
+        return {route: (kernel, ("layer_kernel", route, geometry)) for route, kernel in kernels.items()}
 
     # ---- per layer -------------------------------------------------------------------------------
     def _layer_args(self, layer: int) -> dict:
-        """The layer's argument arrays, the parts that never change filled in (its layer table, the flags, the
+        """The layer's argument array, the parts that never change filled in (its layer table, the flags, the
         scale, the window)."""
         args = self._args.get(layer)
         if args is not None:
@@ -187,46 +183,31 @@ class CompiledLayers:
         kind = cfg.layer_kinds[layer]
         grp = cache.token_group(layer)
         imp = self.imported
-        a = {"scan": capi.arguments(5), "store": capi.arguments(8), "producer": capi.arguments(PRODUCER_ARGS),
-             "reduce": capi.arguments(5), "kind": kind, "plane": None, "partials": None, "io": None,
-             # the producer's arrays (the CPU's: q, k, v staged), for the lanes' own imports; their arguments
-             "objs": [*self.staging[:3], None, None, None, launcher._no_visits, grp.layers_dev, grp.slots_dev],
-             "lanes": {}}
-        flags, layers_mem, slots_mem = imp(launcher.checks.flags), imp(grp.layers_dev), imp(grp.slots_dev)
-        capi.set_ndarray(a["scan"][3], *flags)
-        p = a["producer"]
-        capi.set_ndarray(p[6], *imp(launcher._no_visits))
-        capi.set_ndarray(p[7], *layers_mem)
-        capi.set_ndarray(p[8], *slots_mem)
-        capi.set_i32(p[9], 1)
-        capi.set_i32(p[11], window_of(cfg, kind))
-        capi.set_f32(p[17], cfg.attention_scale)
-        s = a["store"]
-        capi.set_ndarray(s[4], *layers_mem)
-        capi.set_ndarray(s[5], *slots_mem)
-        capi.set_i32(s[6], 1)
-        r = a["reduce"]
-        capi.set_ndarray(r[2], *layers_mem)
-        capi.set_i32(r[3], 1)
+        a = {"args": capi.arguments(LAYER_ARGS), "kind": kind, "plane": None, "partials": None, "io": None,
+             # the arrays by argument index (the CPU's q, k, v, out staged), for the lanes' own imports
+             "objs": dict(zip(_IO, self.staging)), "lanes": {}}
+        x = a["args"]
+        for i, arr in ((_FLAGS, launcher.checks.flags), (_VISITS, launcher._no_visits), (_LAYERS, grp.layers_dev),
+                       (_SLOTS, grp.slots_dev)):
+            capi.set_ndarray(x[i], *imp(arr))
+            a["objs"][i] = arr
+        capi.set_i32(x[_WINDOW], window_of(cfg, kind))
+        capi.set_f32(x[_SCALE], cfg.attention_scale)
         self._args[layer] = a
         return a
 
     def _set_io(self, a: dict, io: tuple) -> None:
-        """q, k, v, out (TiMemory, shape, dtype) into every kernel of the layer that reads them."""
+        """q, k, v, out (TiMemory, shape, dtype) into the layer's arguments."""
         if a["io"] == io:
             return
-        q, k, v, out = io
-        for i, m in enumerate((q, k, v)):
-            capi.set_ndarray(a["scan"][i], *m)
-            capi.set_ndarray(a["producer"][i], *m)
-        capi.set_ndarray(a["store"][0], *k)
-        capi.set_ndarray(a["store"][1], *v)
-        capi.set_ndarray(a["reduce"][1], *out)
+        for i, m in zip(_IO, io):
+            capi.set_ndarray(a["args"][i], *m)
         a["io"] = io
 
     def attend(self, plan, layer: int, route_sizes, io: tuple, stamp: int) -> int:
-        """Launch ``layer``'s kernels of the planned token on ``io`` = (q, k, v, out) as (TiMemory, shape, dtype);
-        returns the launches made."""
+        """Launch ``layer`` of the planned token on ``io`` = (q, k, v, out) as (TiMemory, shape, dtype): one launch
+        of the route's folded kernel (three where the CPU deals the producer's items to its lanes); returns the
+        launches made.  On the CPU a layer the scan flags raises ScanRefused, having written nothing."""
         p, new_states, routes, _ = plan
         route = routes[layer]
         if route not in (ladder.SPLITK, ladder.INTERLEAVED):
@@ -235,90 +216,74 @@ class CompiledLayers:
         kind = a["kind"]
         st, cache, launcher = new_states[kind], self.cache, self.launcher
         self._set_io(a, io)
+        x = a["args"]
         planes = (cache.k[kind], cache.v[kind])
         if a["plane"] is None or a["plane"][0] is not planes[0] or a["plane"][1] is not planes[1]:
-            km, vm = self.imported(planes[0]), self.imported(planes[1])
-            capi.set_ndarray(a["producer"][3], *km)
-            capi.set_ndarray(a["producer"][4], *vm)
-            capi.set_ndarray(a["store"][2], *km)
-            capi.set_ndarray(a["store"][3], *vm)
+            for i, plane in zip((_K_PLANE, _V_PLANE), planes):
+                capi.set_ndarray(x[i], *self.imported(plane))
+                a["objs"][i] = plane
             a["plane"] = planes
-            a["objs"][3:5] = planes
         _, visible = visible_span(self.cfg, kind, p)
         nwg, nsg = launcher.split_geometry(visible, route_sizes[route])
         partials = launcher.partials_for(kind, 1, nwg)
         if a["partials"] is not partials:
-            pm = self.imported(partials)
-            capi.set_ndarray(a["producer"][5], *pm)
-            capi.set_ndarray(a["reduce"][0], *pm)
-            a["partials"] = partials
-            a["objs"][5] = partials
-        pr = a["producer"]
-        pr[10].value.i32 = p
-        pr[12].value.i32 = st.capacity
-        pr[13].value.i32 = st.origin_logical
-        pr[14].value.i32 = st.origin_physical
-        pr[15].value.i32 = nwg
-        pr[16].value.i32 = nsg
-        a["reduce"][4].value.i32 = nwg
-        capi.set_i32(a["scan"][4], stamp)
-        launch, rt, k = self._launch, self._handle, self.k
+            capi.set_ndarray(x[_PARTIALS], *self.imported(partials))
+            a["partials"] = a["objs"][_PARTIALS] = partials
+        x[_STAMP].value.i32 = stamp
+        x[_POSITION].value.i32 = p
+        x[_CAPACITY].value.i32 = st.capacity
+        x[_ORIGIN_LOGICAL].value.i32 = st.origin_logical
+        x[_ORIGIN_PHYSICAL].value.i32 = st.origin_physical
+        x[_NWG].value.i32 = nwg
+        x[_NSG].value.i32 = nsg
+        kernel = self.k[route]
         fence = self._stream_fence
         if fence is not None:
             fence.before()
-        launch(rt, k["scan"], 5, a["scan"])
-        if self._summary is not None and self._summary.max() == stamp:
-            raise ScanRefused(stamp)
-        if route == ladder.SPLITK:
-            a["store"][7].value.i32 = st.physical(p)
-            launch(rt, k["store"], 8, a["store"])
-            self._produce(a, "splitk", visible, self.cfg.n_kv_heads * nwg)
-            launch(rt, k["reduce_splitk"], 5, a["reduce"])
-            n = 4
-        else:
-            self._produce(a, "interleaved", visible, self.cfg.n_kv_heads * nwg)
-            launch(rt, k["reduce_interleaved"], 5, a["reduce"])
-            n = 3
-        if fence is not None:
+            self._launch(self._handle, kernel, LAYER_ARGS, x)
             fence.after()
-        return n
-
-    def _produce(self, a: dict, route: str, visible: int, items: int) -> None:
-        """The layer's producer launch (``route``: "splitk" | "interleaved") over its ``items`` work items.  On a GPU:
-        Taichi's parallel kernel.  On the CPU the serial kernel: on this thread alone at short context
-        (Launcher.serial_layer) or without lanes (one core); else on this thread and each lane, items dealt
-        round-robin (thread i takes items i, i + threads, ...), every item the same work as in the parallel kernel,
-        which the CPU's module leaves out (Taichi's pool woke its second worker too late for a layer's items)."""
-        pr, launch, rt = a["producer"], self._launch, self._handle
-        if self.gpu:
-            launch(rt, self.k[route], 18, pr)
-            return
-        alone = self.lanes is None or self.launcher.serial_layer(visible)
-        threads = 1 if alone else min(items, 1 + len(self.lanes.lanes))
-        pr[18].value.i32 = 0
-        pr[19].value.i32 = threads
+            return 1
+        if self.lanes is None or launcher.serial_layer(visible):  # every part on this thread
+            self._run_parts(x, kernel, LAYER_ALL, 0, 1, stamp)
+            return 1
+        # the lanes must not read a ring's new row before it is stored: scan and store first, then the items dealt
+        # to this thread and the lanes, then the merge once every item is done
+        self._run_parts(x, kernel, LAYER_SCAN | LAYER_STORE, 0, 1, stamp)
+        threads = min(self.cfg.n_kv_heads * nwg, 1 + len(self.lanes.lanes))
 
         def start(i, lane):
             args = self._lane_args(a, i - 1, lane)
-            args[18].value.i32 = i
-            args[19].value.i32 = threads
+            args[_FIRST].value.i32, args[_STRIDE].value.i32 = i, threads
             lane.start(self._lane_kernels[i - 1][route], args)
 
-        deal(self.lanes, threads, start, lambda: launch(rt, self.k[route + "_serial"], PRODUCER_ARGS, pr))
+        x[_PARTS].value.i32 = LAYER_PRODUCE
+        x[_FIRST].value.i32, x[_STRIDE].value.i32 = 0, threads
+        deal(self.lanes, threads, start, lambda: self._launch(self._handle, kernel, LAYER_ARGS, x))
+        self._run_parts(x, kernel, LAYER_REDUCE, 0, 1, stamp)
+        return 3
+
+    def _run_parts(self, x, kernel, parts: int, first: int, stride: int, stamp: int) -> None:
+        """One launch of ``parts`` of the layer on this thread; ScanRefused where its scan flagged the layer."""
+        x[_PARTS].value.i32 = parts
+        x[_FIRST].value.i32, x[_STRIDE].value.i32 = first, stride
+        self._launch(self._handle, kernel, LAYER_ARGS, x)
+        if parts & LAYER_SCAN and self._summary.max() == stamp:
+            raise ScanRefused(stamp)
 
     def _lane_args(self, a: dict, i: int, lane) -> ctypes.Array:
-        """Lane i's producer arguments for the layer of ``a``: its own imports of the layer's arrays (a runtime's
-        memory is its own), the scalars copied from this thread's."""
+        """Lane i's arguments for the layer of ``a``: its own imports of the layer's arrays (a runtime's memory is
+        its own), the scalars copied from this thread's."""
         held = a["lanes"].get(i)
         if held is None:
-            held = a["lanes"][i] = (capi.arguments(PRODUCER_ARGS), [None] * len(a["objs"]))
+            held = a["lanes"][i] = (capi.arguments(LAYER_ARGS), {})
         args, seen = held
-        for j, obj in enumerate(a["objs"]):
-            if seen[j] is not obj:
+        for j, obj in a["objs"].items():
+            if seen.get(j) is not obj:
                 capi.set_ndarray(args[j], *lane.imported(obj))
                 seen[j] = obj
-        size = ctypes.sizeof(capi.Argument)
-        ctypes.memmove(ctypes.addressof(args) + 9 * size, ctypes.addressof(a["producer"]) + 9 * size, 9 * size)
+        size, base, mine = ctypes.sizeof(capi.Argument), ctypes.addressof(args), ctypes.addressof(a["args"])
+        for first, last in _SCALAR_RUNS:
+            ctypes.memmove(base + first * size, mine + first * size, (last - first) * size)
         return args
 
     # ---- the caller's arrays -----------------------------------------------------------------------

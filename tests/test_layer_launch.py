@@ -144,6 +144,58 @@ def test_after_a_fork_the_layers_run_without_the_lanes(compiled_arch, monkeypatc
         np.testing.assert_array_equal(got, _attend_all(python, q[None], k[None], v[None], 1, lambda a: a))
 
 
+def _planes(eng) -> dict:
+    """The engine's raw planes as they are now (planes_snapshot refuses while a token is open)."""
+    return {kind: (eng.cache.k[kind].to_numpy(), eng.cache.v[kind].to_numpy()) for kind in eng.cache.k}
+
+
+@pytest.mark.parametrize("bad", [np.nan, 1e5])
+def test_a_layer_its_scan_flags_writes_nothing(compiled_arch, bad):
+    """The folded layer (kernels/layer_kernel.py) stores the token's row and writes ``out`` only where its own scan
+    passed the token: launched on a k holding a value the planes cannot hold (non-finite; past f16), a ring's layer
+    (splitk) and a plane's (interleaved) leave both planes and ``out`` as they were, before any abandon puts rows
+    back.  (The CPU's host then raises ScanRefused; CUDA's reads the flags at the commit.)"""
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    eng = mt.Engine(cfg, arch=compiled_arch, launch="capi")
+    s = Session(eng, seed=4)
+    s.prefill(40)
+    compiled = eng.launcher.compiled_layers()
+    assert {cfg.layer_kinds[0], cfg.layer_kinds[3]} == {"swa", "nope"}
+    for layer in (0, 3):
+        q, k, v = s.token()
+        before = state(eng)
+        t = eng.token()
+        for earlier in range(layer):
+            t.attend(earlier, q[earlier], k[earlier], v[earlier])
+        kept = _planes(eng)
+        bad_k = k[layer].copy()
+        bad_k[1, 5] = bad
+        arrays_in = [a[None].astype(np.float32) for a in (q[layer], bad_k, v[layer])]
+        stamp = t._scan_stamp(layer)
+        if compiled_arch == "cpu":
+            views = eng.launcher._layer_views
+            for view, a in zip(views, arrays_in):
+                np.copyto(view, a)
+            views[3][...] = 7.0
+            with pytest.raises(layer_launch.ScanRefused):
+                compiled.attend(t.plans[0], layer, t.route_sizes[0], compiled.staged(), stamp)
+            out = views[3]
+        else:
+            import torch
+
+            dev = [torch.from_numpy(a).cuda() for a in arrays_in]
+            out_t = torch.full(dev[0].shape, 7.0, device="cuda")
+            compiled.attend(t.plans[0], layer, t.route_sizes[0], compiled.device_io(*dev, out_t), stamp)
+            torch.cuda.synchronize()
+            out = out_t.cpu().numpy()
+        assert (out == 7.0).all(), f"layer {layer}: out written by a refused layer"
+        for kind, (k_plane, v_plane) in _planes(eng).items():
+            np.testing.assert_array_equal(k_plane, kept[kind][0], err_msg=f"layer {layer}: {kind} K")
+            np.testing.assert_array_equal(v_plane, kept[kind][1], err_msg=f"layer {layer}: {kind} V")
+        t.abandon()
+        assert_same_state(state(eng), before)
+
+
 def test_new_arrays_every_token_import_nothing_new(compiled_arch):
     """The caller's arrays go through the layer's staging arrays (CPU): a fresh array every call imports nothing
     into the C-API runtime, whose imports Taichi 1.7.4 cannot free."""

@@ -131,7 +131,7 @@ def build_reduce(head_dim: int, n_heads: int, gpu: bool, out_dtype, layers_cap: 
 
         if per_group:
             return reduce_groups
-        reduce.gpu_work = gpu_work
+        reduce.gpu_work, reduce.cpu_item = gpu_work, cpu_item  # for the kernels that fold a merge in (layer_kernel.py)
         return reduce
 
     return cached(("reduce", D, H, gpu, str(out_dtype), layers_cap, serial, per_group), build)

@@ -209,10 +209,10 @@ def producer_kernel(n_kv: int, cpu_item=None, gpu=None, items_cap: int = 0):
 
 def serial_producer_kernel(cpu_item, n_kv: int):
     """The CPU producer without Taichi's thread pool: the launch's items first, first + stride, ... one after
-    another on the launching thread, each the same work as in producer_kernel (so the same bits).  One layer's
-    launch at short context runs them all on one thread (first 0, stride 1: split_geometry.cpu_serial); deeper,
-    the compiled path runs one launch a thread on threads of its own (layer_launch.ProducerLanes), since Taichi's
-    pool wakes its workers late on a 2-core VM (docs/PERF.md, "A model's calls on the CPU, one layer at a time")."""
+    another on the launching thread, each the same work as in producer_kernel (so the same bits).  Taichi's Python
+    path runs one layer's items all on one thread at short context (first 0, stride 1: split_geometry.cpu_serial),
+    where waking Taichi's pool costs more than the work (docs/PERF.md, "A model's calls on the CPU, one layer at a
+    time"); the compiled path folds the same items into its layer kernel (layer_kernel.py)."""
 
     @ti.kernel
     def serial_producer(
