@@ -5,7 +5,7 @@ graph, with the inputs copied in and the output copied out) costs about half a m
 more than the attention of 32 sequences at 32,768 keys takes on the device.  Here each kernel is one C call
 (layer_launch.py does the same for one sequence's layer): the kernels were compiled ahead of time (aot.py) and
 loaded into the process's C-API runtime, and each launch passes an argument array kept per layer and kernel,
-patched only where a value changed since that layer's last launch.
+patched only where a value changed since that layer's last launch (layer_launch.ArgumentArrays).
 
 The launches are the Python path's: ``BatchLauncher.dispatches`` makes the (kernel, arguments) list either path
 runs, so the bits are the same (tests/test_batch.py holds the two to each other).  Each argument is set by its
@@ -20,12 +20,10 @@ their arguments on, fenced with events both ways where the caller's current torc
 
 from __future__ import annotations
 
-import taichi as ti
-
 from . import aot, backend, capi
-from .layer_launch import MAX_IMPORTED, _Imported, _StreamFence, deal, producer_lanes, runtime, take_compiled
+from .layer_launch import (MAX_IMPORTED, ArgumentArrays, _Imported, _StreamFence, deal, producer_lanes, runtime,
+                           take_compiled)
 
-_UNSET = object()
 # "auto" on CUDA: Taichi's Python path; launch="capi" opts in: on an H100 the same bits, cheaper at 1-8 sequences but
 # dearer at 32 (docs/PERF.md, "A model's token and many sequences on CUDA")
 AUTO_ON_CUDA = False
@@ -43,7 +41,7 @@ class CompiledGroups:
         self._handles = {id(fn): self.rt.kernel(module, name) for name, (fn, _) in kernels.items()}
         self._kernels = [fn for fn, _ in kernels.values()]  # held, so the ids above stay theirs
         self.imported = _Imported(self.rt)
-        self._args: dict[tuple, tuple] = {}
+        self._packed = ArgumentArrays()
         self._launch = capi.library().ti_launch_kernel
         self._fence = _StreamFence() if arch == "cuda" else None
         # kernels whose items go to this thread and the lanes (the CPU's producers: layer_launch.ProducerLanes; the
@@ -84,36 +82,6 @@ class CompiledGroups:
             launch(handle, self._handles[id(kernel)], len(args), packed)
         if fence is not None:
             fence.after()
-
-    def _packed(self, where: tuple, args, n: int, imported, rt):
-        """The argument array kept for ``where`` (n slots, at least len(args)), patched to ``args`` where an argument
-        changed; ``imported`` and ``rt``: the runtime the array is for (the process's, or a lane's)."""
-        entry = self._args.get(where)
-        if entry is None:
-            entry = self._args[where] = (capi.arguments(n), [_UNSET] * len(args))
-        packed, held = entry
-        for i, a in enumerate(args):
-            h = held[i]
-            if h is a:
-                continue
-            kind = type(a)
-            if kind is int:
-                if type(h) is not int or h != a:
-                    capi.set_i32(packed[i], a)
-                    held[i] = a
-            elif kind is float:
-                if type(h) is not float or h != a:
-                    capi.set_f32(packed[i], a)
-                    held[i] = a
-            elif isinstance(a, ti.Ndarray):
-                capi.set_ndarray(packed[i], *imported(a))
-                held[i] = a
-            else:  # a torch CUDA tensor, float32 and contiguous: by address, never held (its memory is torch's)
-                where_ = (a.data_ptr(), tuple(a.shape))
-                if h != where_:
-                    capi.set_ndarray(packed[i], rt.memory(where_[0], a.numel() * 4), where_[1], "f32")
-                    held[i] = where_
-        return packed
 
     def _run_spread(self, key, j: int, spread: tuple, args) -> None:
         """A producer's items dealt round-robin to this thread and the lanes, each running the serial kernel on

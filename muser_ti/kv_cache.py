@@ -88,6 +88,7 @@ class KVCache:
                                         cfg.head_dim, zeros)
         self.position = 0  # the next token's absolute position: every plane holds the tokens before it
         self._groups: dict[tuple[int, ...], LayerGroup] = {}
+        self._kept: dict[tuple[str, int], tuple] = {}  # kept_rows' arrays, by class and rows
 
     # ---- the capacity rule ---------------------------------------------------------------------
     @staticmethod
@@ -152,6 +153,16 @@ class KVCache:
             sd.from_numpy(np.asarray([self.device_slot(layer)], np.int32))
             grp = self._groups[key] = LayerGroup((0,), (self.device_slot(layer),), ld, sd)
         return grp
+
+    def kept_rows(self, kind: str, rows: int) -> tuple:
+        """Packed K and V arrays [rows, the class's layers, kv heads, head_dim] for the rows an open token overwrites
+        (token.py), made once a size: one token is open at a time, and a new array every token cost ~0.1 ms each on
+        the CPU (Taichi's allocation)."""
+        got = self._kept.get((kind, rows))
+        if got is None:
+            shape = (rows, len(self.planes[kind].layers), self.cfg.n_kv_heads, self.cfg.head_dim)
+            got = self._kept[kind, rows] = (halves.alloc(shape), halves.alloc(shape))
+        return got
 
     def ensure_capacity(self, kind: str, capacity: int) -> None:
         """A growing plane moves its live rows into a larger allocation (amortised doubling)."""

@@ -50,9 +50,10 @@ from . import aot, arrays, backend, capi, ladder
 from .config import NOPE, SWA
 from .errors import EngineError
 from .kernels.layer_kernel import (LAYER_ALL, LAYER_ARGS, LAYER_PRODUCE, LAYER_REDUCE, LAYER_SCAN, LAYER_STORE,
-                                   build_layer_kernels)
+                                   ROUTE_LAYOUTS, build_layer_kernels)
 from .kernels.producer import plan_key
 from .kernels.token_scan import TOKEN_FLAGS
+from .kv_cache import LAYOUT_OF
 from .launch import host_view
 from .planes import visible_span, window_of
 
@@ -115,6 +116,50 @@ class _Imported:
             del self._by_id[key]
 
 
+_UNSET = object()
+
+
+class ArgumentArrays:
+    """Argument arrays kept by call site, each patched where an argument changed since that site's last launch:
+    an int as i32, a float as f32, a Taichi ndarray imported once by address (held by a weak reference: a plane
+    that grew is freed, not kept for the site's next launch), a torch CUDA tensor (float32, contiguous) by its
+    address, never held (its memory is torch's)."""
+
+    def __init__(self):
+        self._args: dict[tuple, tuple] = {}
+
+    def __call__(self, where: tuple, args, n: int, imported, rt):
+        """The argument array kept for ``where`` (n slots, at least len(args)), patched to ``args``; ``imported``
+        and ``rt``: the runtime the array is for (the process's, or a lane's)."""
+        entry = self._args.get(where)
+        if entry is None:
+            entry = self._args[where] = (capi.arguments(n), [_UNSET] * len(args))
+        packed, held = entry
+        for i, a in enumerate(args):
+            h = held[i]
+            if h is a:
+                continue
+            kind = type(a)
+            if kind is int:
+                if type(h) is not int or h != a:
+                    capi.set_i32(packed[i], a)
+                    held[i] = a
+            elif kind is float:
+                if type(h) is not float or h != a:
+                    capi.set_f32(packed[i], a)
+                    held[i] = a
+            elif isinstance(a, ti.Ndarray):
+                if type(h) is not weakref.ref or h() is not a:
+                    capi.set_ndarray(packed[i], *imported(a))
+                    held[i] = weakref.ref(a)
+            else:
+                where_ = (a.data_ptr(), tuple(a.shape))
+                if h != where_:
+                    capi.set_ndarray(packed[i], rt.memory(where_[0], a.numel() * 4), where_[1], "f32")
+                    held[i] = where_
+        return packed
+
+
 class CompiledLayers:
     """A launcher's per-layer kernels through Taichi's C-API (CPU, CUDA).  Build with :meth:`create`."""
 
@@ -129,6 +174,7 @@ class CompiledLayers:
         module = self.rt.load_module(path)
         self.k = {name: self.rt.kernel(module, name) for name in kernels}
         self.imported = _Imported(self.rt)
+        self._packed = ArgumentArrays()  # the kept rows' copies (copy_rows)
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.shapes = {"q": (1, H, D), "k": (1, KV, D), "v": (1, KV, D), "out": (1, H, D)}
         # the layer's staging arrays: the Python runtime's, imported once (the CPU reads and writes them through
@@ -147,7 +193,7 @@ class CompiledLayers:
         if self.lanes is not None:
             for lane in self.lanes.lanes:
                 lane_module = lane.rt.load_module(path)
-                self._lane_kernels.append({name: lane.rt.kernel(lane_module, name) for name in kernels})
+                self._lane_kernels.append({name: lane.rt.kernel(lane_module, name) for name in ROUTE_LAYOUTS})
         # the CPU's launches return when their kernel has run: the flags' summary is read at once, so a refused
         # layer writes nothing and its refusal names the value (the host checks its arrays only then)
         self._summary = None if self.gpu else host_view(launcher.checks.flags)[:TOKEN_FLAGS]
@@ -170,7 +216,11 @@ class CompiledLayers:
                     repr(plan_key(cfg.head_dim, cfg.heads_per_kv, gpu)))
         kernels = build_layer_kernels(cfg.head_dim, cfg.heads_per_kv, cfg.n_kv_heads, cfg.n_heads, gpu,
                                       launcher.items_cap)
-        return {route: (kernel, ("layer_kernel", route, geometry)) for route, kernel in kernels.items()}
+        out = {route: (kernel, ("layer_kernel", route, geometry)) for route, kernel in kernels.items()}
+        for kind, stores in launcher.cache.stores.items():  # what a token overwrites, kept at its open (token.py)
+            out[f"save_{kind}"] = (stores.save_rows, ("save_rows", LAYOUT_OF[kind], geometry))
+            out[f"restore_{kind}"] = (stores.restore_rows, ("restore_rows", LAYOUT_OF[kind], geometry))
+        return out
 
     # ---- per layer -------------------------------------------------------------------------------
     def _layer_args(self, layer: int) -> dict:
@@ -285,6 +335,14 @@ class CompiledLayers:
         for first, last in _SCALAR_RUNS:
             ctypes.memmove(base + first * size, mine + first * size, (last - first) * size)
         return args
+
+    def copy_rows(self, op: str, kind: str, which: str, args: tuple) -> None:
+        """The rows a token overwrites, kept at its open (``op`` "save") or put back at an abandon ("restore"), of
+        plane ``which`` ("k", "v"): the class's stores.save_rows / restore_rows on ``args``, one C call (through
+        Taichi's Python path each cost ~0.5 ms on the CPU)."""
+        name = f"{op}_{kind}"
+        self._launch(self._handle, self.k[name], len(args),
+                     self._packed((name, which), args, len(args), self.imported, self.rt))
 
     # ---- the caller's arrays -----------------------------------------------------------------------
     def staged(self) -> tuple:

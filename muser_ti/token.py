@@ -28,7 +28,6 @@ import numpy as np
 from . import arrays, inputs, interrupts, ladder
 from .config import F16_MAX
 from .errors import EngineError
-from .kernels import halves
 from .kernels.token_scan import REFUSAL_RING
 from .layer_launch import ScanRefused
 
@@ -172,13 +171,21 @@ class Token(_Open):
                 continue
             first = self.plans[0][1][kind].physical(self.start)  # the n appends take consecutive rows (mod capacity)
             rows = min(n, st.capacity)
-            shape = (rows, len(ps.layers), self.cfg.n_kv_heads, self.cfg.head_dim)
-            saved = (halves.alloc(shape), halves.alloc(shape), first, rows, st.capacity)
-            store = cache.stores[kind]
-            base = cache.slot_base[kind]
-            store.save_rows(cache.k[kind], saved[0], base, len(ps.layers), first, rows, st.capacity)
-            store.save_rows(cache.v[kind], saved[1], base, len(ps.layers), first, rows, st.capacity)
+            saved = (*cache.kept_rows(kind, rows), first, rows, st.capacity)
+            for which, plane, kept in (("k", cache.k[kind], saved[0]), ("v", cache.v[kind], saved[1])):
+                self._copy_rows("save", kind, which, (plane, kept, cache.slot_base[kind], len(ps.layers), first, rows,
+                                                      st.capacity))
             self._saved[kind] = saved
+
+    def _copy_rows(self, op: str, kind: str, which: str, args: tuple) -> None:
+        """The class's stores.save_rows or restore_rows (``op``) on ``args``: through the compiled path's C call
+        where the engine launches through Taichi's C-API, else Taichi's Python launch."""
+        compiled = self.engine.launcher.compiled_layers()
+        if compiled is not None:
+            compiled.copy_rows(op, kind, which, args)
+        else:
+            stores = self.engine.cache.stores[kind]
+            (stores.save_rows if op == "save" else stores.restore_rows)(*args)
 
     def _undo(self) -> None:
         """Back to the state before the token: allocations, rows, plane states (idempotent: it sets)."""
@@ -189,8 +196,8 @@ class Token(_Open):
                 cache.k[kind], cache.v[kind] = k, v
             for kind, (sk, sv, first, rows, capacity) in self._saved.items():
                 n_slots, base = len(cache.planes[kind].layers), cache.slot_base[kind]
-                cache.stores[kind].restore_rows(sk, cache.k[kind], base, n_slots, first, rows, capacity)
-                cache.stores[kind].restore_rows(sv, cache.v[kind], base, n_slots, first, rows, capacity)
+                for which, kept, plane in (("k", sk, cache.k[kind]), ("v", sv, cache.v[kind])):
+                    self._copy_rows("restore", kind, which, (kept, plane, base, n_slots, first, rows, capacity))
             cache.commit(self.before, self.start)
 
         interrupts.atomically(undo)

@@ -5,7 +5,8 @@ of the numpy array and synchronise the device; a step made four of them (docs/PE
 that cost).  On CUDA this module copies with the driver's ``cuMemcpyHtoD`` / ``cuMemcpyDtoH``
 straight into the ndarray's own allocation: Taichi launches every kernel on the legacy default stream,
 on which these synchronous copies are ordered after the kernels before them and before the kernels
-after them.  Where the driver or the pointer is not available (Vulkan, Metal, the CPU), it copies with
+after them.  On the CPU an ndarray is host memory and every launch returns when its kernel has run: a copy is a
+memmove.  Where neither applies (Vulkan, Metal, CUDA without a context on this thread), it copies with
 a Taichi kernel that takes the numpy array as an argument: Taichi stages such an array when it
 launches the kernel and, for one the kernel writes, waits and reads it back before the call returns,
 so no further synchronisation is needed (``from_numpy``/``to_numpy`` add one, an idle device wait that
@@ -85,6 +86,12 @@ class Transfer:
             return 0
         return int(ti.lang.impl.get_runtime().prog.get_ndarray_data_ptr_as_int(dev.arr))
 
+    def _host(self, dev) -> int:
+        """The CPU's: the address of the ndarray's host memory, or 0 on another backend."""
+        if self.arch != "cpu":
+            return 0
+        return int(ti.lang.impl.get_runtime().prog.get_ndarray_data_ptr_as_int(dev.arr))
+
     @staticmethod
     def _host_dtype(dev, shape):
         # a raw copy of the wrong size would write past the allocation: refuse before copying
@@ -96,6 +103,10 @@ class Transfer:
     def upload(self, dev, a: np.ndarray) -> None:
         """dev[...] = a (converted to C-contiguous dev's dtype), for an array of dev's shape."""
         a = np.ascontiguousarray(a, dtype=self._host_dtype(dev, a.shape))
+        host = self._host(dev)
+        if host:
+            ctypes.memmove(host, a.ctypes.data, a.nbytes)
+            return
         addr = self._direct(dev)
         if addr and self._driver.htod(addr, a.ctypes.data, a.nbytes) == 0:
             return
@@ -115,6 +126,10 @@ class Transfer:
         """A new host array (float32 or int32, as dev) holding dev."""
         out = np.empty(shape, self._host_dtype(dev, shape))
         self.waits += 1
+        host = self._host(dev)
+        if host:
+            ctypes.memmove(out.ctypes.data, host, out.nbytes)
+            return out
         addr = self._direct(dev)
         if addr and self._driver.dtoh(out.ctypes.data, addr, out.nbytes) == 0:
             return out

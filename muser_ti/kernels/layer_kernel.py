@@ -117,11 +117,14 @@ def build_layer_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int
     return cached(("layer_kernel", D, G, KV, H, gpu, layout, items_cap, plan_key(D, G, gpu)), build)
 
 
+ROUTE_LAYOUTS = {"splitk": TOKEN_MAJOR, "interleaved": HEAD_MAJOR}  # the project's own routes (ladder.py)
+
+
 def build_layer_kernels(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int, gpu: bool, items_cap: int = 0):
     """{"splitk": ..., "interleaved": ...}: the one-launch layer of each of the project's own routes."""
     return {route: build_layer_kernel(head_dim, heads_per_kv, n_kv, n_heads, gpu, layout, items_cap)
-            for route, layout in (("splitk", TOKEN_MAJOR), ("interleaved", HEAD_MAJOR))}
+            for route, layout in ROUTE_LAYOUTS.items()}
 
 
 __all__ = ["LAYER_ALL", "LAYER_ARGS", "LAYER_PRODUCE", "LAYER_REDUCE", "LAYER_SCAN", "LAYER_STORE",
-           "build_layer_kernel", "build_layer_kernels"]
+           "ROUTE_LAYOUTS", "build_layer_kernel", "build_layer_kernels"]
