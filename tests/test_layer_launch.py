@@ -144,6 +144,74 @@ def test_after_a_fork_the_layers_run_without_the_lanes(compiled_arch, monkeypatc
         np.testing.assert_array_equal(got, _attend_all(python, q[None], k[None], v[None], 1, lambda a: a))
 
 
+def _fold(eng, t, layer: int, io: tuple) -> None:
+    """The folded layer kernel (kernels/layer_kernel.py) on ``io`` = (q, k, v, out) Taichi arrays [1, ...], launched
+    through Taichi's Python path with the arguments CompiledLayers gives it through the C-API: every part, on every
+    item, on this thread."""
+    from muser_ti.kernels.layer_kernel import LAYER_ALL, build_layer_kernels
+    from muser_ti.planes import visible_span, window_of
+
+    launcher, cache, cfg = eng.launcher, eng.cache, eng.cfg
+    p, new_states, routes, _ = t.plans[0]
+    route, kind = routes[layer], cfg.layer_kinds[layer]
+    st = new_states[kind]
+    nwg, nsg = launcher.split_geometry(visible_span(cfg, kind, p)[1], t.route_sizes[0][route])
+    grp = cache.token_group(layer)
+    kernel = build_layer_kernels(cfg.head_dim, cfg.heads_per_kv, cfg.n_kv_heads, cfg.n_heads, launcher.gpu,
+                                 launcher.items_cap)[route]
+    kernel(*io, launcher.checks.flags, t._scan_stamp(layer), LAYER_ALL, cache.k[kind], cache.v[kind],
+           launcher.partials_for(kind, 1, nwg), launcher._no_visits, grp.layers_dev, grp.slots_dev, p,
+           window_of(cfg, kind), st.capacity, st.origin_logical, st.origin_physical, nwg, nsg, cfg.attention_scale, 0,
+           1)
+
+
+def test_the_folded_layer_gives_the_four_kernels_bits(arch):
+    """The folded layer, launched through Taichi's Python path on any backend (its GPU tasks run here on Vulkan; the
+    C-API path launches it on the CPU and CUDA), against the Python path's four kernels (scan, store, producer,
+    merge): the same outputs and planes, bit for bit, through the NoPE plane's growth (128 -> 256 rows) on wrapped
+    rings; then a token whose k holds a NaN at a ring's layer and a plane's: nothing written, and the abandon leaves
+    the engine as before it."""
+    if arch == "cpu":
+        pytest.skip("on the CPU the C-API path launches the fold: test_compiled_and_python_launches_give_the_same_bits")
+    cfg = geometry(**GEOMETRIES["gqa4-d64"])
+    folded = mt.Engine(cfg, arch=arch, launch="python")
+    four = mt.Engine(cfg, arch=arch, launch="python")
+    s = Session(folded, seed=12)
+    s.prefill(100, also=four)
+    launcher = folded.launcher
+    io = launcher.layer_device_arrays()
+    for _ in range(30):
+        q, k, v = s.token()
+        want = _attend_all(four, q[None], k[None], v[None], 1, lambda a: a)[0]
+        t = folded.token()
+        for layer in range(cfg.n_layers):
+            for dev, a in zip(io, (q[layer], k[layer], v[layer])):
+                launcher.transfer.upload(dev, a[None])
+            _fold(folded, t, layer, io)
+            got = launcher.transfer.download(io[3], tuple(io[3].shape))[0]
+            np.testing.assert_array_equal(got, want[layer], err_msg=f"position {folded.position}, layer {layer}")
+        t.next_layer = cfg.n_layers  # every layer ran (here, not through t.attend)
+        t.commit()
+    assert folded.plane_state(3).capacity == 256 and folded.plane_state(0).is_wrapped
+    assert_same_state(state(folded), state(four))
+    q, k, v = s.token()
+    before = state(folded)
+    t = folded.token()
+    for layer in range(cfg.n_layers):
+        bad_k = k[layer].copy()
+        bad_k[0, 9] = np.nan
+        for dev, a in zip(io, (q[layer], bad_k, v[layer], np.full_like(q[layer], 7.0))):
+            launcher.transfer.upload(dev, a[None])
+        kept = _planes(folded)
+        _fold(folded, t, layer, io)
+        assert (launcher.transfer.download(io[3], tuple(io[3].shape)) == 7.0).all(), f"layer {layer}: out written"
+        for kind, (k_plane, v_plane) in _planes(folded).items():
+            np.testing.assert_array_equal(k_plane, kept[kind][0], err_msg=f"layer {layer}: {kind} K written")
+            np.testing.assert_array_equal(v_plane, kept[kind][1], err_msg=f"layer {layer}: {kind} V written")
+    t.abandon()
+    assert_same_state(state(folded), before)
+
+
 def _planes(eng) -> dict:
     """The engine's raw planes as they are now (planes_snapshot refuses while a token is open)."""
     return {kind: (eng.cache.k[kind].to_numpy(), eng.cache.v[kind].to_numpy()) for kind in eng.cache.k}
