@@ -9,8 +9,9 @@ shows what the C side costs beside the Python around it:
 
 Cases (``--case``, repeatable):
 
-* ``engine:PATH``  an Engine over Glimmer's 52 layers at ``--depth`` keys, ``with eng.token() as t: t.attend(...)``
-  per layer on torch tensors (CUDA tensors on CUDA), PATH the launch path (capi, python);
+* ``engine:PATH``  an Engine over Glimmer's 52 layers at ``--depth`` keys, ``t = eng.token()``, ``t.attend(...)`` per
+  layer on torch tensors (CUDA tensors on CUDA), ``t.commit()``: the open, the layers and the commit timed apart;
+  PATH the launch path (capi, python);
 * ``batch:PATH:B``  a Batch of B sequences over one group of Glimmer's layers (bench/batch_decode.py's), a step's
   open, its four layers and its commit timed apart.
 
@@ -82,16 +83,21 @@ def engine_case(cfg, arch, depth, path, tokens, top, rng):
     draws = [tuple(torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).to(device)
                    for s in ((L, H, D), (L, KV, D), (L, KV, D))) for _ in range(8)]
 
-    issued = []
+    issued, opens, commits = [], [], []
 
     def run(i):
         q, k, v = draws[i % len(draws)]
-        with eng.token() as t:
-            t0 = time.perf_counter()
-            for layer in range(L):
-                t.attend(layer, q[layer], k[layer], v[layer])
-            issued.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        t = eng.token()
+        t1 = time.perf_counter()
+        for layer in range(L):
+            t.attend(layer, q[layer], k[layer], v[layer])
+        t2 = time.perf_counter()
+        t.commit()
         sync()
+        opens.append(t1 - t0)
+        issued.append(t2 - t1)
+        commits.append(time.perf_counter() - t2)
 
     for i in range(4):
         run(i)
@@ -101,10 +107,12 @@ def engine_case(cfg, arch, depth, path, tokens, top, rng):
         run(i)
         times.append(time.perf_counter() - t0)
     med, host = statistics.median(times), statistics.median(issued[-tokens:])
+    t_open, t_commit = statistics.median(opens[-tokens:]), statistics.median(commits[-tokens:])
     compiled = eng.launcher.compiled_layers() is not None
     head = (f"engine:{path} ({'C-API' if compiled else 'Python path'}) depth {depth}: {med * 1e3:.3f} ms a token, "
             f"{med / L * 1e6:.1f} us a layer, the layers' calls returned after {host / L * 1e6:.1f} us a layer "
-            f"(medians of {tokens}); routes {dict(eng.route_counts)}")
+            f"(medians of {tokens}); the token's open {t_open * 1e3:.3f} ms, commit {t_commit * 1e3:.3f} ms; routes "
+            f"{dict(eng.route_counts)}")
     _wrap_c_calls()
     return head, _profile(run, 5, top)
 
