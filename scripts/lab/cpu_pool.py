@@ -3,10 +3,10 @@
     python scripts/lab/cpu_pool.py pool          # toy items of ~1.4 ms: Taichi's pool, back to back and with sleeps
                                                  # between launches, against the calling thread + a thread of its own
     python scripts/lab/cpu_pool.py args          # a serial kernel through the C-API, by its count of array arguments
-    python scripts/lab/cpu_pool.py ways --depth 2048    # a layer's producer (Glimmer, the C-API path) three ways,
+    python scripts/lab/cpu_pool.py ways --depth 2048    # a layer's launches (Glimmer, the C-API path) three ways,
                                                  # alternating token by token: serial, Taichi's pool, lanes
 
-Run it with the other core idle.  Each prints medians in microseconds (ways: the token, and each route's producer).
+Run it with the other core idle.  Each prints medians in microseconds (ways: the token, and each route's layer).
 No ``from __future__ import annotations`` here: Taichi reads the local kernels' annotations as objects.
 """
 
@@ -163,9 +163,10 @@ def args_cost() -> None:
 
 
 def ways(depth: int, tokens: int) -> None:
-    """Glimmer's 52 layers by t.attend at ``depth`` keys, alternating token by token: the compiled path's producer on
-    the calling thread alone ("serial") and with its lanes ("lanes"), each producer launch timed; and Taichi's Python
-    path, whose producer runs on Taichi's pool ("pool": its token only, its launches being another path's)."""
+    """Glimmer's 52 layers by t.attend at ``depth`` keys, alternating token by token: the compiled path's layer (its
+    folded kernel, kernels/layer_kernel.py) on the calling thread alone ("serial": one launch) and with its lanes
+    ("lanes": the scan and store, the producer's items dealt, the merge), each layer's launches timed; and Taichi's
+    Python path, whose producer runs on Taichi's pool ("pool": its token only, its launches being another path's)."""
     import muser_ti as mt
     from muser_ti.config import load_config
     from muser_ti.kernels import split_geometry
@@ -182,18 +183,19 @@ def ways(depth: int, tokens: int) -> None:
         for eng in engines.values():
             eng.prefill(k, v)
     layers = engines["compiled"].launcher.compiled_layers()
-    lanes, produce = layers.lanes, layers._produce
+    lanes, attend = layers.lanes, layers.attend
     way, warm = ["lanes"], [False]
     producer_us = collections.defaultdict(list)
 
-    def timed(a, route, visible, items):
+    def timed(plan, layer, route_sizes, io, stamp):
         layers.lanes = lanes if way[0] == "lanes" else None
         t0 = time.perf_counter()
-        produce(a, route, visible, items)
+        launches = attend(plan, layer, route_sizes, io, stamp)
         if warm[0]:
-            producer_us[way[0], route].append((time.perf_counter() - t0) * 1e6)
+            producer_us[way[0], plan[2][layer]].append((time.perf_counter() - t0) * 1e6)
+        return launches
 
-    layers._produce = timed
+    layers.attend = timed
     token_ms = collections.defaultdict(list)
     order = ["serial", "lanes", "pool"]
     for i in range(tokens + 3):
@@ -213,8 +215,8 @@ def ways(depth: int, tokens: int) -> None:
     for w in order:
         routes = ", ".join(f"{route} {statistics.median(producer_us[w, route]):.0f} us"
                            for route in ("splitk", "interleaved") if producer_us[w, route])
-        print(f"{depth} keys, {w}: token {statistics.median(token_ms[w]):.1f} ms" + (f"; producer {routes}" if routes
-                                                                                     else ""))
+        print(f"{depth} keys, {w}: token {statistics.median(token_ms[w]):.1f} ms" + (f"; a layer's launches {routes}"
+                                                                                     if routes else ""))
 
 
 def main() -> None:
