@@ -128,8 +128,9 @@ def like_input(out: np.ndarray, like):
 class Stager:
     """A caller's arrays copied, converted to float32, into fixed host arrays that compiled kernels read in place
     (layer_launch.py: a layer's staging arrays, imported into Taichi's C-API once).  ``views``: float32 C-contiguous
-    arrays [1, ...] (q, k, v, out).  One copy per array, whatever its kind: numpy (any HOST_DTYPES), torch (any
-    device; torch converts while it copies), mlx and Taichi through to_host."""
+    arrays [1, ...] (q, k, v, out).  One copy per array, whatever its kind: numpy (any HOST_DTYPES), a CPU torch tensor
+    numpy can read through its numpy view, other torch tensors (bfloat16, another device) by torch's copy, which
+    converts while it copies, mlx and Taichi through to_host."""
 
     def __init__(self, views):
         self.views = views
@@ -145,14 +146,17 @@ class Stager:
             if not t.is_floating_point():
                 raise EngineError(f"{where} {name}: dtype {t.dtype}, expected a floating dtype (float32, float16, "
                                   f"bfloat16)")
-            got = tuple(t.shape)
-        elif kind == "numpy":
+            try:  # a CPU tensor numpy can read (not bfloat16): its numpy view, which copies in a third of torch's time
+                x, kind = t.numpy(), "numpy"
+            except (TypeError, RuntimeError):
+                got = tuple(t.shape)
+        if kind == "numpy":
             if isinstance(x, np.ma.MaskedArray):
                 raise EngineError(f"{where} {name}: a masked array (its mask would be ignored)")
             if not _host_dtype(x.dtype):
                 raise EngineError(f"{where} {name}: dtype {x.dtype}, expected one of {', '.join(HOST_DTYPES)}")
             t, got = x, x.shape
-        else:
+        elif kind != "torch":
             t = to_host(f"{where} {name}", x)
             got = t.shape
         if len(got) == len(shape) - 1 and shape[0] == 1:  # one token without its axis
