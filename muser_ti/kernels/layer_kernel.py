@@ -30,10 +30,9 @@ import taichi as ti
 
 from .common import HEAD_MAJOR, TOKEN_MAJOR, cached, f32_3d, f32_4d, i32_1d, i32_2d
 from .halves import HALVES_PER_WORD, packed_plane
-from .producer import addressing, plan_key, plan_shared, plan_work
+from .producer import active_tile_plan, addressing, plan_key, plan_shared, plan_work
 from .producer.cpu import cpu_item_work
 from .producer.gpu_common import udiv, umod
-from .producer import active_tile_plan
 from .reducer import build_reduce
 from .token_scan import build_token_scan, token_accepted
 
@@ -47,6 +46,8 @@ def build_layer_kernel(head_dim: int, heads_per_kv: int, n_kv: int, n_heads: int
     """The one-launch layer of a route: ``layout`` TOKEN_MAJOR (splitk: the ring, the row stored, then read back
     from the plane like every other) or HEAD_MAJOR (interleaved: the growing plane, the row bypassed as f32).
     ``items_cap`` (GPU): the producer's loop bound, the launcher's (producer.producer_kernel says why)."""
+    if gpu and items_cap <= 0:
+        raise ValueError("the GPU's folded layer needs the launcher's items_cap (its producer's loop bound)")
     D, G, KV, H = head_dim, heads_per_kv, n_kv, n_heads
     W = D // HALVES_PER_WORD
     bypass = layout == HEAD_MAJOR
