@@ -67,74 +67,22 @@ def _profile(run, n: int, top: int) -> str:
     return s.getvalue()
 
 
-def engine_case(cfg, arch, depth, path, tokens, top, rng):
+def _steps(open_token, L: int, arch: str, shapes, tokens: int, rng):
+    """Time ``tokens`` steps of ``open_token()``'s token over L layers on fresh torch draws of ``shapes`` (q, k, v,
+    each [L, ...]; CUDA tensors on CUDA): medians (ms) of the open, the layers' calls until they return ("issued"),
+    the layers with the device synchronised, the commit, the whole step; and the step, for the profile."""
     import torch
 
-    import muser_ti as mt
-
-    eng = mt.Engine(cfg, arch=arch, launch=path)
-    L, H, KV, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    for start in range(0, depth, 1024):
-        n = min(1024, depth - start)
-        eng.prefill(rng.standard_normal((n, L, KV, D), dtype=np.float32),
-                    rng.standard_normal((n, L, KV, D), dtype=np.float32))
     device = "cuda" if arch == "cuda" else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    draws = [tuple(torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).to(device)
-                   for s in ((L, H, D), (L, KV, D), (L, KV, D))) for _ in range(8)]
-
-    issued, opens, commits = [], [], []
-
-    def run(i):
-        q, k, v = draws[i % len(draws)]
-        t0 = time.perf_counter()
-        t = eng.token()
-        t1 = time.perf_counter()
-        for layer in range(L):
-            t.attend(layer, q[layer], k[layer], v[layer])
-        t2 = time.perf_counter()
-        t.commit()
-        sync()
-        opens.append(t1 - t0)
-        issued.append(t2 - t1)
-        commits.append(time.perf_counter() - t2)
-
-    for i in range(4):
-        run(i)
-    times = []
-    for i in range(tokens):
-        t0 = time.perf_counter()
-        run(i)
-        times.append(time.perf_counter() - t0)
-    med, host = statistics.median(times), statistics.median(issued[-tokens:])
-    t_open, t_commit = statistics.median(opens[-tokens:]), statistics.median(commits[-tokens:])
-    compiled = eng.launcher.compiled_layers() is not None
-    head = (f"engine:{path} ({'C-API' if compiled else 'Python path'}) depth {depth}: {med * 1e3:.3f} ms a token, "
-            f"{med / L * 1e6:.1f} us a layer, the layers' calls returned after {host / L * 1e6:.1f} us a layer "
-            f"(medians of {tokens}); the token's open {t_open * 1e3:.3f} ms, commit {t_commit * 1e3:.3f} ms; routes "
-            f"{dict(eng.route_counts)}")
-    _wrap_c_calls()
-    return head, _profile(run, 5, top)
-
-
-def batch_case(cfg, arch, depth, path, b, tokens, top, rng):
-    import torch
-
-    from muser_ti.bench.batch_decode import _filled_batch, group_geometry
-
-    g = group_geometry(cfg)
-    bat = _filled_batch(g, arch, b, depth, depth + 64 + tokens, rng, path)
-    L, H, KV, D = g.n_layers, g.n_heads, g.n_kv_heads, g.head_dim
-    device = "cuda" if arch == "cuda" else "cpu"
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    draws = [tuple(torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).to(device)
-                   for s in ((L, b, H, D), (L, b, KV, D), (L, b, KV, D))) for _ in range(4)]
-    parts = {"open": [], "layers": [], "commit": [], "issued": []}
+    draws = [tuple(torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).to(device) for s in shapes)
+             for _ in range(4)]
+    parts = {"open": [], "issued": [], "layers": [], "commit": [], "step": []}
 
     def run(i, record=False):
         q, k, v = draws[i % len(draws)]
         t0 = time.perf_counter()
-        t = bat.token()
+        t = open_token()
         t1 = time.perf_counter()
         for layer in range(L):
             t.attend(layer, q[layer], k[layer], v[layer])
@@ -145,19 +93,46 @@ def batch_case(cfg, arch, depth, path, b, tokens, top, rng):
         sync()
         t3 = time.perf_counter()
         if record:
-            for name, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t_issued - t1)):
+            for name, dt in zip(parts, (t1 - t0, t_issued - t1, t2 - t1, t3 - t2, t3 - t0)):
                 parts[name].append(dt)
 
     for i in range(3):
         run(i)
     for i in range(tokens):
         run(i, True)
-    med = {name: statistics.median(ts) * 1e3 for name, ts in parts.items()}
+    return {name: statistics.median(ts) * 1e3 for name, ts in parts.items()}, run
+
+
+def engine_case(cfg, arch, depth, path, tokens, top, rng):
+    import muser_ti as mt
+
+    eng = mt.Engine(cfg, arch=arch, launch=path)
+    L, H, KV, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    for start in range(0, depth, 1024):
+        n = min(1024, depth - start)
+        eng.prefill(rng.standard_normal((n, L, KV, D), dtype=np.float32),
+                    rng.standard_normal((n, L, KV, D), dtype=np.float32))
+    med, run = _steps(eng.token, L, arch, ((L, H, D), (L, KV, D), (L, KV, D)), tokens, rng)
+    compiled = eng.launcher.compiled_layers() is not None
+    head = (f"engine:{path} ({'C-API' if compiled else 'Python path'}) depth {depth}: {med['step']:.3f} ms a token, "
+            f"{med['step'] / L * 1e3:.1f} us a layer, the layers' calls returned after {med['issued'] / L * 1e3:.1f} "
+            f"us a layer (medians of {tokens}); the token's open {med['open']:.3f} ms, commit {med['commit']:.3f} "
+            f"ms; routes {dict(eng.route_counts)}")
+    _wrap_c_calls()
+    return head, _profile(run, 5, top)
+
+
+def batch_case(cfg, arch, depth, path, b, tokens, top, rng):
+    from muser_ti.bench.batch_decode import _filled_batch, group_geometry
+
+    g = group_geometry(cfg)
+    bat = _filled_batch(g, arch, b, depth, depth + 64 + tokens, rng, path)
+    L, H, KV, D = g.n_layers, g.n_heads, g.n_kv_heads, g.head_dim
+    med, run = _steps(bat.token, L, arch, ((L, b, H, D), (L, b, KV, D), (L, b, KV, D)), tokens, rng)
     compiled = bat._launcher.compiled is not None
     head = (f"batch:{path}:{b} ({'C-API' if compiled else 'Python path'}) depth {depth}: open {med['open']:.3f} ms, "
             f"{L} layers {med['layers']:.3f} ms ({med['layers'] / L * 1e3:.1f} us a layer; the calls returned after "
-            f"{med['issued'] / L * 1e3:.1f}), commit "
-            f"{med['commit']:.3f} ms (medians of {tokens})")
+            f"{med['issued'] / L * 1e3:.1f}), commit {med['commit']:.3f} ms (medians of {tokens})")
     _wrap_c_calls()
     return head, _profile(run, 5, top)
 
